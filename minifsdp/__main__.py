@@ -1,0 +1,3 @@
+from minifsdp.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""Local ranks: run one function on N real processes, each with a process group.
+
+Why real processes?  Data parallelism is about *separate* workers that only
+share what they send each other.  Threads in one Python process would share
+memory (and the GIL) and hide exactly the costs the book is about.  So every
+"rank" here is an operating-system process with its own copy of the model,
+talking to the others over gloo (CPU) or NCCL (GPU).
+
+    parent (your script / notebook / pytest)
+      |  hosts the rendezvous store on a free port (port 0: the OS picks)
+      |
+      +-- spawn --> rank 0: init_process_group(store) -> fn(*args) -> result
+      +-- spawn --> rank 1: init_process_group(store) -> fn(*args) -> result
+      ...
+      <-- one message per rank on a queue: ("ok", rank, value) or ("error", rank, traceback)
+
+Note (spawn, never fork): a child forked after torch has started its thread
+pool can hang forever.  We always use the "spawn" start method, so ``fn`` must
+be importable (defined in a module, not in ``__main__`` of a notebook; see
+``minifsdp.notebook`` for how notebooks run cell code on ranks).
+
+Note (no rank hangs the others): when a rank raises, the parent ends every
+other rank and raises :class:`RankFailedError` with that rank's traceback.  A
+rank that dies without a word (a crash, SIGKILL) is reported with its exit
+code or signal.  Each process group also gets a collective ``timeout`` so a
+rank blocked in a receive eventually errors instead of waiting forever.
+
+Under ``torchrun`` the same call works unchanged: :func:`spawn` sees the
+``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` variables torchrun sets, joins the
+group with ``env://`` instead of starting processes, runs ``fn`` once (this
+process is one rank) and returns every rank's result, gathered with
+``all_gather_object``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn", "RankFailedError", "launched_by_torchrun", "default_backend"]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died; carries which rank and its traceback text."""
+
+    def __init__(self, rank: int, detail: str):
+        self.rank = rank
+        self.detail = detail
+        super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or any env:// launcher) started this process."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def default_backend(device: str = "cpu") -> str:
+    """gloo on CPU; NCCL when asked for CUDA and CUDA is there."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was asked for, but CUDA is not available here; use device='cpu' (gloo).")
+        return "nccl"
+    return "gloo"
+
+
+def _check_world_size(world_size: int, backend: str) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}; pass e.g. world_size=2.")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"world_size={world_size} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+            "NCCL needs one GPU per rank: lower world_size or use backend='gloo'."
+        )
+
+
+def _rank_main(rank, world_size, backend, host, port, timeout_s, fn, args, results, threads):
+    """Body of every spawned process (importable, so `spawn` can pickle it)."""
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        os.environ.setdefault("MASTER_ADDR", host)
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        value = fn(*args)
+        results.put(("ok", rank, value))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put(("error", rank, traceback.format_exc()))
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - nothing left to report
+        pass
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code} without reporting a result"
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    world_size: int = 2,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads_per_rank: int | None = 1,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks and return their results, rank order.
+
+    Args:
+        fn: an importable function (module level); it runs after the default
+            process group exists, so it may call ``torch.distributed`` directly.
+        args: positional arguments, pickled to every rank.
+        world_size: number of ranks (>= 1).
+        backend: "gloo" (default on CPU) or "nccl" (one GPU per rank).
+        timeout_s: collective timeout inside the ranks, and the parent's limit
+            on the whole run; a stuck rank becomes an error, never a hang.
+        threads_per_rank: torch intra-op threads per rank (1 keeps N ranks from
+            fighting over the cores of a laptop); None leaves torch's default.
+
+    Raises:
+        RankFailedError: a rank raised (its traceback is in the message) or died.
+    """
+    backend = backend or "gloo"
+    if launched_by_torchrun():
+        return _run_under_torchrun(fn, args, backend, timeout_s)
+    _check_world_size(world_size, backend)
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if getattr(fn, "__qualname__", "").endswith("<lambda>") or "<locals>" in getattr(fn, "__qualname__", ""):
+        raise ValueError(
+            f"fn={fn.__qualname__} cannot be sent to a spawned process: define it at module level "
+            "(in a notebook, use the %%ranks cell magic from minifsdp.notebook instead)."
+        )
+
+    host = "127.0.0.1"
+    # The parent hosts the rendezvous store on port 0: the OS picks a free port, no race.
+    store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world_size, backend, host, store.port, timeout_s, fn, tuple(args), results, threads_per_rank),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world_size, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del store
+
+
+def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s + 30  # ranks time out first; this is the backstop
+    while len(values) < world_size:
+        try:
+            status, rank, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            for r, p in enumerate(procs):
+                if r not in values and not p.is_alive():
+                    # It may have posted just before dying: look once more.
+                    try:
+                        status, rank, payload = results.get(timeout=1.0)
+                        break
+                    except queue.Empty:
+                        raise RankFailedError(r, f"rank {r} {_describe_exit(p.exitcode)}.") from None
+            else:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(values))
+                    raise RankFailedError(missing[0], f"ranks {missing} gave no result within {timeout_s:.0f} s.")
+                continue
+        if status == "error":
+            raise RankFailedError(rank, payload)
+        values[rank] = payload
+    return [values[r] for r in range(world_size)]
+
+
+def _run_under_torchrun(fn, args, backend, timeout_s):
+    """One rank of a torchrun job: join with env://, run, gather every rank's result."""
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    value = fn(*args)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
