@@ -184,30 +184,60 @@ def spawn(
         del store
 
 
+_SECONDARY_HINTS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
 def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+    """Wait for one message per rank; on the first failure, find its root cause and raise."""
     values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s + 30  # ranks time out first; this is the backstop
     while len(values) < world_size:
         try:
             status, rank, payload = results.get(timeout=0.2)
         except queue.Empty:
-            for r, p in enumerate(procs):
-                if r not in values and not p.is_alive():
-                    # It may have posted just before dying: look once more.
-                    try:
-                        status, rank, payload = results.get(timeout=1.0)
-                        break
-                    except queue.Empty:
-                        raise RankFailedError(r, f"rank {r} {_describe_exit(p.exitcode)}.") from None
-            else:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(values))
-                    raise RankFailedError(missing[0], f"ranks {missing} gave no result within {timeout_s:.0f} s.")
-                continue
+            dead = [r for r, p in enumerate(procs) if r not in values and not p.is_alive()]
+            if dead:
+                _raise_root_cause(procs, results, values, errors)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise RankFailedError(missing[0], f"ranks {missing} gave no result within {timeout_s:.0f} s.") from None
+            continue
         if status == "error":
-            raise RankFailedError(rank, payload)
+            errors[rank] = payload
+            _raise_root_cause(procs, results, values, errors)
         values[rank] = payload
     return [values[r] for r in range(world_size)]
+
+
+def _raise_root_cause(procs, results, values, errors) -> None:
+    """One rank failing makes its peers fail too ("connection closed by peer").
+
+    Give the others a moment to report or die, then blame, in this order: a rank
+    that died without a word (crash, SIGKILL), a rank whose own code raised, and
+    only then a rank that merely lost its peer.
+    """
+    grace = time.monotonic() + 2.0
+    while time.monotonic() < grace:
+        try:
+            status, rank, payload = results.get(timeout=0.1)
+            (errors if status == "error" else values)[rank] = payload
+        except queue.Empty:
+            pass
+    silent = {r: _describe_exit(p.exitcode) for r, p in enumerate(procs)
+              if r not in values and r not in errors and not p.is_alive()}
+
+    def also_failed(blamed: int) -> str:
+        return "".join(
+            f"\n(rank {o} also failed: {e.strip().splitlines()[-1]})" for o, e in sorted(errors.items()) if o != blamed
+        )
+
+    if silent:
+        r = min(silent)
+        raise RankFailedError(r, f"rank {r} {silent[r]}." + also_failed(r))
+    primary = [r for r, e in sorted(errors.items()) if not any(h in e for h in _SECONDARY_HINTS)]
+    r = primary[0] if primary else min(errors)
+    raise RankFailedError(r, errors[r] + also_failed(r))
 
 
 def _run_under_torchrun(fn, args, backend, timeout_s):
