@@ -1,0 +1,1 @@
+"""Classroom exercises: fill in the stubs, then grade with `pytest tests/exercises --impl=student`."""
