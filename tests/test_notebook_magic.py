@@ -1,0 +1,64 @@
+"""The %%ranks cell magic: cell text runs on real ranks, output comes back grouped.
+
+Oracle: arithmetic done by hand (the all_reduce of rank+1 over 2 ranks is 3).
+Each test is one `spawn` (about 3 s on 2 cores); the file stays under 30 s.
+"""
+
+import pytest
+
+from minifsdp.notebook import RankCellError, format_outputs, run_on_ranks
+
+CELL = """
+t = torch.tensor([rank + 1.0, 10.0 * (rank + 1)])
+dist.all_reduce(t)
+print(f"hello from {rank} of {world_size}", offset)
+import sys
+print("to stderr", file=sys.stderr)
+result = {"rank": rank, "sum": t}
+"""
+
+
+@pytest.mark.timeout(60)
+def test_run_on_ranks_all_reduce_results_and_output():
+    runs = run_on_ranks(CELL, world_size=2, push={"offset": 7})
+    assert [r.rank for r in runs] == [0, 1]
+    for r in runs:
+        assert r.output == f"hello from {r.rank} of 2 7\nto stderr\n"
+        assert r.result["rank"] == r.rank
+        assert r.result["sum"].tolist() == [3.0, 30.0]  # (1 + 2), (10 + 20): exact in fp32
+    assert format_outputs(runs) == (
+        "[rank 0] hello from 0 of 2 7\n[rank 0] to stderr\n[rank 1] hello from 1 of 2 7\n[rank 1] to stderr\n"
+    )
+
+
+def test_push_rejects_unpicklable_values_before_spawning():
+    with pytest.raises(TypeError, match="cannot push 'f'"):
+        run_on_ranks("pass", world_size=2, push={"f": lambda x: x})
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_is_named_with_its_cell_traceback():
+    cell = "print('before')\nif rank == 1:\n    raise ValueError('boom on purpose')\ndist.barrier()\n"
+    with pytest.raises(RankCellError) as info:
+        run_on_ranks(cell, world_size=2, timeout_s=30)
+    err = info.value
+    assert err.rank == 1
+    assert err.report.startswith("before\n")  # what the rank printed before it failed
+    assert "line 3" in err.report and "raise ValueError('boom on purpose')" in err.report  # the cell's own line
+    assert "ValueError: boom on purpose" in err.report
+    assert "_run_cell" not in err.report and "launch.py" not in err.report  # only the cell's frames
+
+
+@pytest.mark.timeout(60)
+def test_magic_in_an_ipython_shell(capsys):
+    IPython = pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "minifsdp.notebook")
+    shell.user_ns["scale"] = 2.0
+    res = shell.run_cell("%%ranks -n 2 -o got --push scale\nresult = rank * scale\nprint('r', rank)\n")
+    assert res.error_in_exec is None and res.error_before_exec is None
+    assert shell.user_ns["got"] == [0.0, 2.0]
+    assert capsys.readouterr().out == "[rank 0] r 0\n[rank 1] r 1\n"
+    assert IPython is not None
