@@ -49,16 +49,27 @@ def test_failing_rank_is_named_with_its_cell_traceback():
     assert "_run_cell" not in err.report and "launch.py" not in err.report  # only the cell's frames
 
 
-@pytest.mark.timeout(60)
-def test_magic_in_an_ipython_shell(capsys):
-    IPython = pytest.importorskip("IPython")
+def test_magic_in_an_ipython_shell(capsys, monkeypatch):
+    """Registration, option parsing, --push and -o, without spawning (run_on_ranks is tested above)."""
+    pytest.importorskip("IPython")
     from IPython.core.interactiveshell import InteractiveShell
 
+    import minifsdp.notebook as nb
+
+    calls = []
+
+    def fake_run_on_ranks(source, world_size, push, timeout_s):
+        calls.append((source, world_size, push, timeout_s))
+        return [nb.RankRun(r, f"r {r}\n", r * push["scale"]) for r in range(world_size)]
+
+    monkeypatch.setattr(nb, "run_on_ranks", fake_run_on_ranks)
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "minifsdp.notebook")
     shell.user_ns["scale"] = 2.0
-    res = shell.run_cell("%%ranks -n 2 -o got --push scale\nresult = rank * scale\nprint('r', rank)\n")
+    res = shell.run_cell("%%ranks -n 3 -o got --timeout 9 --push scale\nresult = rank * scale\n")
     assert res.error_in_exec is None and res.error_before_exec is None
-    assert shell.user_ns["got"] == [0.0, 2.0]
-    assert capsys.readouterr().out == "[rank 0] r 0\n[rank 1] r 1\n"
-    assert IPython is not None
+    assert calls == [("result = rank * scale\n", 3, {"scale": 2.0}, 9.0)]
+    assert shell.user_ns["got"] == [0.0, 2.0, 4.0]
+    assert capsys.readouterr().out == "[rank 0] r 0\n[rank 1] r 1\n[rank 2] r 2\n"
+    bad = shell.run_cell("%%ranks --push nope\npass\n")
+    assert "no notebook variable named 'nope'" in str(bad.error_in_exec)
