@@ -15,7 +15,8 @@ cell lists whose contributions it holds, and its shade grows as it fills up:
     rank 1     0+1       1         1
     rank 2     2         1+2       2
 
-Each step record needs ``phase`` ("reduce_scatter" or "all_gather"),
+Pass a ``minifsdp.ring_sim.RingTrace`` or a list of step records; each
+record needs ``phase`` ("reduce-scatter"/"reduce_scatter" or "all-gather"/"all_gather"),
 ``step``, ``sender``, ``receiver`` and ``chunk`` (a dict or an object with
 those attributes).  The grid is *recomputed from the records*: reduce-scatter
 adds the sender's chunk into the receiver's, all-gather overwrites it.  All
@@ -39,9 +40,11 @@ def _field(record: Any, name: str) -> Any:
 
 def _steps_by_time(steps: Iterable[Any]) -> list[tuple[tuple[str, int], list[Any]]]:
     """Group the records into (phase, step) rounds, reduce-scatter first."""
+    if hasattr(steps, "steps"):  # a minifsdp.ring_sim.RingTrace
+        steps = steps.steps
     rounds: dict[tuple[str, int], list[Any]] = {}
     for rec in steps:
-        phase = _field(rec, "phase")
+        phase = str(_field(rec, "phase")).replace("-", "_")  # ring_sim writes "reduce-scatter"
         if phase not in PHASES:
             raise ValueError(f"step record has phase {phase!r}; expected one of {PHASES}")
         rounds.setdefault((phase, int(_field(rec, "step"))), []).append(rec)
@@ -55,6 +58,8 @@ def ring_states(steps: Iterable[Any], world_size: int | None = None) -> list[dic
     set of ranks whose contribution rank r holds for chunk c, and ``moves`` the
     (sender, receiver, chunk) triples of that round.
     """
+    if world_size is None and hasattr(steps, "world_size"):
+        world_size = steps.world_size
     rounds = _steps_by_time(steps)
     if world_size is None:
         ranks = {int(_field(r, k)) for _, recs in rounds for r in recs for k in ("sender", "receiver")}
@@ -63,7 +68,7 @@ def ring_states(steps: Iterable[Any], world_size: int | None = None) -> list[dic
     holds = [[{r} for _ in range(n)] for r in range(n)]
     states = [{"title": "start: every rank holds only its own data", "holds": [[set(s) for s in row] for row in holds],
                "moves": []}]
-    for (phase, step), recs in rounds:
+    for t, ((phase, _step), recs) in enumerate(rounds, start=1):
         before = [[set(s) for s in row] for row in holds]
         moves = []
         for rec in recs:
@@ -73,8 +78,8 @@ def ring_states(steps: Iterable[Any], world_size: int | None = None) -> list[dic
             holds[r][c] = (holds[r][c] | before[s][c]) if phase == "reduce_scatter" else set(before[s][c])
             moves.append((s, r, c))
         label = "reduce-scatter" if phase == "reduce_scatter" else "all-gather"
-        states.append({"title": f"{label} step {step}", "holds": [[set(x) for x in row] for row in holds],
-                       "moves": moves})
+        snapshot = [[set(x) for x in row] for row in holds]
+        states.append({"title": f"step {t} of {len(rounds)}: {label}", "holds": snapshot, "moves": moves})
     return states
 
 
