@@ -1,0 +1,343 @@
+"""FullyShardedDataParallel (chapter 2): a module whose parameters live sharded across ranks.
+
+    model = FSDP(TinyGPT(), auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # AFTER wrapping: it steps the local shards
+    loss = model(x, y); loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+
+Each wrapped module is a *unit* with one flat parameter (``flat_param.py``).  A
+step, for a root with two nested units, FULL_SHARD (AG = all-gather, RS =
+reduce-scatter):
+
+    forward:   AG root | AG b0, run b0, free b0 | AG b1, run b1, free b1 | run root tail
+    backward:           AG b1, grad b1, RS b1, free | AG b0, grad b0, RS b0, free | grad root, RS root
+    end:       final callback at the root: wait for every RS, grads land in each unit's flat_param.grad
+
+The mechanics (buffers, hooks, reductions) are in ``fsdp_runtime.py``; this
+module is the ``nn.Module`` users see, and mirrors torch's constructor.
+Gathered views, clipping and state dicts are in ``fsdp_api.py``.
+
+Note (root): the outermost unit whose forward runs first is the root.  It
+queues the final callback, checks the step's order (one forward per backward
+unless the shards are unchanged) and owns ``clip_grad_norm_``.
+
+Note (the optimizer): ``model.parameters()`` after wrapping yields each unit's
+``flat_param`` (the local 1-D shard; with ``use_orig_params=True``, the
+original parameters as views into it).  An optimizer built *before* wrapping
+holds the old tensors, which no longer train: its first ``step()`` raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_flatten
+
+from minifsdp import fsdp_api
+from minifsdp.fsdp_runtime import FlatParamHandle
+from minifsdp.sharding import RESHARD_AFTER_FORWARD, Comm, ShardingStrategy, resolve_groups
+from minifsdp.wrap import recursive_wrap
+
+__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy"]
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters over ``process_group``; arguments named and meant as torch's.
+
+    Args:
+        module: the module to shard (all parameters and buffers on one device).
+        process_group: the ranks to shard over (default: all); for HYBRID_SHARD a
+            tuple ``(shard_group, replicate_group)``.
+        sharding_strategy: a :class:`ShardingStrategy`.
+        auto_wrap_policy: e.g. ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
+        use_orig_params: show the original parameters (views of the local shard) instead of flat ones.
+        device_id: move the module there first (``torch.device("cpu")``, or a CUDA index).
+        sync_module_states: copy rank 0's parameters and buffers to every rank at wrap time.
+        device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.
+        collectives: ``"torch"`` (torch.distributed's) or ``"ring"`` (ours, ``minifsdp.collectives``).
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
+                 auto_wrap_policy=None, use_orig_params: bool = False, device_id=None,
+                 sync_module_states: bool = False, device_mesh=None, collectives: str = "torch"):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError("FSDP needs a process group: call dist.init_process_group first "
+                               "(or run your function with minifsdp.spawn).")
+        if isinstance(sharding_strategy, str):
+            sharding_strategy = ShardingStrategy[sharding_strategy]
+        self.groups = resolve_groups(sharding_strategy, process_group, device_mesh)
+        if sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) \
+                and self.groups.shard_size == 1:
+            warnings.warn("FSDP on 1 rank: nothing to shard, using NO_SHARD (as torch does)", stacklevel=2)
+            sharding_strategy = ShardingStrategy.NO_SHARD
+        self.sharding_strategy = sharding_strategy
+        self.use_orig_params = use_orig_params
+        self.comm = Comm(collectives)
+        if auto_wrap_policy is not None:
+            kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy,
+                          use_orig_params=use_orig_params, device_id=device_id,
+                          sync_module_states=sync_module_states, device_mesh=device_mesh, collectives=collectives)
+            recursive_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **kwargs),
+                           only_wrap_children=True)
+        if device_id is not None:
+            module.to(torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id))
+        self._fsdp_wrapped_module = module
+        params = [p for p in module.parameters() if not _is_managed(p)]
+        buffers = _own_buffers(module)
+        _check_one_device(module, params, buffers)
+        if sync_module_states:
+            self._broadcast_from_rank0(params + buffers)
+        else:
+            self._check_same_on_all_ranks(module, params, buffers)
+        self._handle = None
+        if params:
+            self._handle = FlatParamHandle(module, params, self.groups, sharding_strategy, use_orig_params, self.comm)
+            for slot in self._handle.layout.slots:
+                slot.param._minifsdp_owner = True
+                if not use_orig_params:
+                    slot.param._minifsdp_orphan = slot.fqn  # the optimizer-before-wrap check looks for it
+                    del slot.module._parameters[slot.name]
+            for sh in self._handle.layout.shared:
+                if not use_orig_params:
+                    sh.module._parameters.pop(sh.name, None)
+            if not use_orig_params:
+                self.register_parameter("_flat_param", self._handle.flat_param)
+            self._handle.use_sharded_views()
+        self._is_root: bool | None = None
+        self._root: FullyShardedDataParallel | None = None
+        self._units: list[FullyShardedDataParallel] = []
+        self._sync_gradients = True
+        self._pre_backward_done = False
+        self._callback_queued = False
+        self._pending_versions: list[int] | None = None
+        if self._handle is not None and self._handle.unsharded.requires_grad:
+            self._handle.unsharded.register_post_accumulate_grad_hook(lambda _leaf: self._post_backward())
+        _install_optimizer_check()
+
+    # ------------------------------------------------------------------ what users see
+    @property
+    def module(self) -> nn.Module:
+        return self._fsdp_wrapped_module
+
+    @property
+    def flat_param(self) -> nn.Parameter | None:
+        """This unit's local 1-D shard (torch: ``_flat_param``); None if the unit owns no parameters."""
+        return self._handle.flat_param if self._handle is not None else None
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # forward attributes of the wrapped module, as torch does
+            inner = self._modules.get("_fsdp_wrapped_module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    summon_full_params = staticmethod(fsdp_api.summon_full_params)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm over all shards (collective); returns the total norm, as torch."""
+        return fsdp_api.clip_grad_norm_(self, max_norm, norm_type)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The FULL state dict (torch FSDP1's default type): plain names, whole tensors, on every rank."""
+        full = fsdp_api.full_state_dict(self)
+        if destination is None:
+            return full
+        for k, v in full.items():
+            destination[prefix + k] = v
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full state dict (as the plain model's ``state_dict()``); each rank keeps its shard."""
+        fsdp_api.load_full_state_dict(self, state_dict, strict=strict)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        if self._is_root is None:
+            self._lazy_init()
+        if self._is_root:
+            self._root_pre_forward()
+        h = self._handle
+        if h is not None:
+            h.unshard()
+            h.use_unsharded_views()
+        try:
+            out = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            if h is not None:
+                if not self._is_root and self.sharding_strategy in RESHARD_AFTER_FORWARD:
+                    h.reshard()
+                if h.use_orig_params:
+                    h.use_sharded_views()
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward)
+            if self._is_root and tensors:
+                self._pending_versions = self._root_versions()
+        return out
+
+    def _lazy_init(self) -> None:
+        """The first unit to run forward is the root; every unit below learns who its root is."""
+        self._is_root = True
+        self._units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        for unit in self._units:
+            if unit is not self:
+                if unit._is_root:
+                    raise RuntimeError("a nested FSDP unit ran forward on its own before its parent; "
+                                       "call the outermost FSDP module")
+                unit._is_root = False
+            unit.__dict__["_root"] = self  # a plain reference, not a registered submodule (no cycle)
+
+    def _root_versions(self) -> list[int]:
+        return [u._handle.flat_param._version for u in self._units if u._handle is not None]
+
+    def _root_pre_forward(self) -> None:
+        if self._pending_versions is not None and torch.is_grad_enabled():
+            if self._pending_versions != self._root_versions():
+                raise RuntimeError(
+                    "FSDP: forward called again before the backward of the previous forward, and the sharded "
+                    "parameters changed in between (an optimizer step?). That backward would see the new "
+                    "parameters. Call backward on the previous output before stepping, or run forwards you "
+                    "do not differentiate under torch.no_grad()."
+                )
+        elif self._pending_versions is None:
+            # Idle: drop full buffers kept from a no-grad forward; the shards may have been stepped since.
+            for unit in self._units:
+                if unit._handle is not None:
+                    unit._handle.reshard()
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, grad):
+        root = self._root
+        if not root._callback_queued:
+            root._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._final_callback)
+        if not self._pre_backward_done and self._handle is not None:
+            self._pre_backward_done = True
+            self._handle.unshard()
+            self._handle.prepare_gradient()
+        return None
+
+    def _post_backward(self) -> None:
+        h = self._handle
+        if self._sync_gradients:
+            h.start_reduce()
+        if h.sharded and (self._sync_gradients or self.sharding_strategy in RESHARD_AFTER_FORWARD):
+            h.reshard()
+
+    def _final_callback(self) -> None:
+        """Runs once at the end of the backward: finish every reduction, reset per-step state."""
+        for unit in self._units:
+            unit._pre_backward_done = False
+            h = unit._handle
+            if h is None:
+                continue
+            h.finish_reduce()
+            if h.sharded and (unit._sync_gradients or unit.sharding_strategy in RESHARD_AFTER_FORWARD):
+                h.reshard()
+        self._callback_queued = False
+        self._pending_versions = None
+
+    # ------------------------------------------------------------------ init checks
+    def _check_same_on_all_ranks(self, module, params, buffers) -> None:
+        """Compare a checksum of every own parameter and buffer across ranks (one all-reduce)."""
+        tensors = params + buffers
+        if not tensors:
+            return
+        digests = torch.tensor([_digest(t) for t in tensors], dtype=torch.int64)
+        for group in filter(None, (self.groups.shard, self.groups.replicate)):
+            lo, hi = digests.clone(), digests.clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            bad = (lo != hi).nonzero().flatten().tolist()
+            if bad:
+                names = {id(t): n for n, t in list(module.named_parameters()) + list(module.named_buffers())}
+                which = ", ".join(names.get(id(tensors[i]), "?") for i in bad[:5])
+                raise RuntimeError(
+                    f"FSDP: the model differs across ranks at wrap time ({which}). Every rank must start from the "
+                    "same weights: build the model with the same seed on every rank, or pass "
+                    "sync_module_states=True to copy rank 0's parameters and buffers to all ranks."
+                )
+
+    def _broadcast_from_rank0(self, tensors) -> None:
+        for group in filter(None, (self.groups.replicate, self.groups.shard)):
+            src = dist.get_global_rank(group, 0)
+            for t in tensors:
+                with torch.no_grad():
+                    dist.broadcast(t.data, src=src, group=group)
+
+    # ------------------------------------------------------------------ no_sync
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients locally, no communication; put the backward INSIDE the context.
+
+        Costs a full (unsharded) gradient per unit until the next synced backward.
+        """
+        units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        old = [u._sync_gradients for u in units]
+        for u in units:
+            u._sync_gradients = False
+        try:
+            yield
+        finally:
+            for u, o in zip(units, old):
+                u._sync_gradients = o
+
+
+FSDP = FullyShardedDataParallel
+
+
+def _is_managed(p: torch.Tensor) -> bool:
+    return getattr(p, "_minifsdp_flat", False) or hasattr(p, "_minifsdp_owner")
+
+
+def _own_buffers(module: nn.Module) -> list[torch.Tensor]:
+    nested = {id(b) for m in module.modules() if isinstance(m, FullyShardedDataParallel) for b in m.buffers()}
+    return [b for b in module.buffers() if id(b) not in nested]
+
+
+def _check_one_device(module: nn.Module, params, buffers) -> None:
+    devices = {}
+    names = {id(t): n for n, t in list(module.named_parameters()) + list(module.named_buffers())}
+    for t in params + buffers:
+        devices.setdefault(t.device, names.get(id(t), "?"))
+    if len(devices) > 1:
+        where = ", ".join(f"{n} on {d}" for d, n in devices.items())
+        raise ValueError(f"FSDP: the module's parameters/buffers sit on different devices ({where}); one flat "
+                         "parameter lives on one device. Move the module first: module.to(device), or pass device_id=.")
+
+
+def _digest(t: torch.Tensor) -> int:
+    data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+_OPTIMIZER_CHECK = []
+
+
+def _install_optimizer_check() -> None:
+    """Once per process: before any optimizer step, refuse parameters that FSDP has replaced."""
+    if _OPTIMIZER_CHECK:
+        return
+
+    def check(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if hasattr(p, "_minifsdp_orphan"):
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} holds the parameter '{p._minifsdp_orphan}' that FSDP has "
+                        "flattened away: the optimizer was built before wrapping, so it would train nothing. "
+                        "Build it after wrapping: torch.optim.X(fsdp_model.parameters(), ...)."
+                    )
+
+    _OPTIMIZER_CHECK.append(register_optimizer_step_pre_hook(check))

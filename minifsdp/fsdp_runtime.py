@@ -1,0 +1,203 @@
+"""The life of one FSDP unit's parameters in a training step: gather, use, free, reduce.
+
+    forward    all-gather shards -> full flat buffer -> views as module.weight ... -> run
+               FULL_SHARD / HYBRID_SHARD: free the full buffer after (not the root's)
+    backward   pre-backward hook (on the unit's outputs): all-gather again if freed
+               autograd sums every view's gradient into the full flat gradient
+               post-backward hook (after that sum): divide, reduce-scatter (start),
+               free the full buffer
+    end        final callback at the root (queued on autograd's engine): wait for every
+               reduction, finish the division, add the result into ``flat_param.grad``
+
+One unit's buffers, rank r of N, FULL_SHARD:
+
+    flat_param       [ shard r ]                    nn.Parameter, what the optimizer steps
+    padded           [ s0 | s1 | ... | sN-1 ]       all-gather target; storage freed between uses
+    unsharded        [ s0 | s1 | ...   ]            autograd leaf = padded[:numel]; views come from it
+    unsharded.grad   [ g ...           ]            summed by autograd, reduce-scattered, dropped
+
+Note (freeing without breaking autograd): backward needs the tensors the
+forward saved (a Linear saves its weight view).  We free a full buffer by
+resizing its *storage* to 0 bytes and, before the backward, resize it back and
+all-gather into the same storage, so every saved view sees the numbers again.
+``unsharded`` gets its data by ``.data =`` and so has its own version counter:
+writing the all-gather into ``padded`` is invisible to autograd's "modified by
+an inplace operation" check, as in torch FSDP1.
+
+Note (NO_SHARD): nothing to gather; ``unsharded`` *is* ``flat_param`` and its
+gradient is all-reduced in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minifsdp.flat_param import build_layout, flatten, shard, unflatten
+from minifsdp.sharding import SHARDED, Comm, ShardGroups, ShardingStrategy, predivide_factor
+
+__all__ = ["FlatParamHandle", "set_tensor_attr", "clear_tensor_attr"]
+
+
+def set_tensor_attr(module: nn.Module, name: str, t: torch.Tensor) -> None:
+    """Make ``module.<name>`` return ``t`` (a plain tensor, not a registered parameter).
+
+    An instance attribute shadows ``module._parameters[name]`` (``nn.Module.__getattr__``
+    is only asked when normal lookup fails), so the registration, and the order
+    of ``named_parameters()``, stay untouched.
+    """
+    module.__dict__[name] = t
+
+
+def clear_tensor_attr(module: nn.Module, name: str) -> None:
+    module.__dict__.pop(name, None)
+
+
+class FlatParamHandle:
+    """One unit's flat parameter: its layout, local shard, full buffer and gradient reduction."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ShardGroups,
+                 strategy: ShardingStrategy, use_orig_params: bool, comm: Comm):
+        self.groups, self.strategy, self.use_orig_params, self.comm = groups, strategy, use_orig_params, comm
+        self.sharded = strategy in SHARDED
+        n = groups.shard_size if self.sharded else 1
+        self.rank = groups.shard_rank if self.sharded else 0
+        rg = {p.requires_grad for p in params}
+        if len(rg) > 1 and not use_orig_params:
+            frozen = [name for name, p in module.named_parameters() if p in set(params) and not p.requires_grad]
+            raise ValueError(
+                f"FSDP unit mixes frozen ({', '.join(frozen[:3])}...) and trainable parameters; one flat parameter "
+                "has one requires_grad. Pass use_orig_params=True, or wrap the frozen part in its own unit."
+            )
+        # torch aligns each parameter to 16 bytes when use_orig_params=True; we match its layout.
+        align = 16 // params[0].element_size() if use_orig_params else 0
+        self.layout = build_layout(module, params, n, align_numel=align)
+        full = flatten(self.layout)
+        requires_grad = any(rg)
+        if self.sharded:
+            self.flat_param = nn.Parameter(shard(full, self.rank, n), requires_grad=requires_grad)
+            self.padded = torch.empty_like(full)
+            self.unsharded = torch.empty(0, dtype=full.dtype, device=full.device).requires_grad_(requires_grad)
+            self.unsharded.data = self.padded[: self.layout.numel]  # own version counter: see Note
+            self.padded.untyped_storage().resize_(0)  # starts freed
+            self.is_unsharded = False
+        else:
+            self.flat_param = nn.Parameter(full[: self.layout.numel].clone(), requires_grad=requires_grad)
+            self.unsharded = self.flat_param
+            self.is_unsharded = True
+        self.flat_param._minifsdp_flat = True
+        dp = groups.data_parallel_size if self.sharded else dist_size(groups)
+        self.predivide = predivide_factor(dp)
+        self.postdivide = dp / self.predivide
+        self.pending: list = []  # reductions started, not finished: (work, sharded_grad, keep_alive)
+
+    # ------------------------------------------------------------------ parameters
+    def unshard(self) -> None:
+        """All-gather the shards into the full buffer (no-op if already there)."""
+        if self.is_unsharded:
+            return
+        self.padded.untyped_storage().resize_(self.padded.numel() * self.padded.element_size())
+        self.comm.all_gather(self.padded, self.flat_param.data, self.groups.shard).wait()
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Free the full buffer (sharded strategies only)."""
+        if self.sharded and self.is_unsharded:
+            self.padded.untyped_storage().resize_(0)
+            self.is_unsharded = False
+
+    def use_unsharded_views(self, as_data: bool = False) -> None:
+        """Point every original name at its view of the full buffer.
+
+        ``as_data=False`` (forward): plain-tensor views that carry autograd to
+        ``unsharded``.  ``as_data=True`` (summon_full_params with use_orig_params):
+        the original ``nn.Parameter`` s get the full views as their ``.data``.
+        """
+        views = unflatten(self.unsharded, self.layout)
+        for slot, v in zip(self.layout.slots, views):
+            if as_data:
+                slot.param.data = v.detach()
+                continue
+            if self.use_orig_params and not slot.requires_grad:
+                v = v.detach()
+            set_tensor_attr(slot.module, slot.name, v)
+        if not as_data:
+            for sh in self.layout.shared:
+                set_tensor_attr(sh.module, sh.name, views[sh.primary])
+
+    def use_sharded_views(self) -> None:
+        """Between uses: original params (use_orig_params) are 1-D views of their local piece."""
+        for slot in self.layout.slots + self.layout.shared:
+            clear_tensor_attr(slot.module, slot.name)
+        if not self.use_orig_params:
+            empty = self.flat_param.data.new_empty(0)
+            for slot in self.layout.slots + self.layout.shared:
+                set_tensor_attr(slot.module, slot.name, empty)  # no stale full view left behind
+            return
+        for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
+            piece = self.flat_param.data[lo:hi]
+            slot.param.data = piece if self.sharded else piece.view(slot.shape)
+
+    def local_pieces(self) -> list[tuple[int, int]]:
+        if self.sharded:
+            return self.layout.local_pieces(self.rank)
+        return [(s.offset, s.offset + s.numel) for s in self.layout.slots]
+
+    def write_back(self) -> None:
+        """Copy the local part of the full buffer back into the shard (after summon_full_params edits)."""
+        if self.sharded and self.is_unsharded:
+            start, end = self.layout.shard_range(self.rank)
+            self.flat_param.data.copy_(self.padded[start:end])
+
+    # ------------------------------------------------------------------ gradients
+    def prepare_gradient(self) -> None:
+        """Pre-backward (use_orig_params): if the optimizer set the original grads to None, so is ours."""
+        if self.use_orig_params and all(s.param.grad is None for s in self.layout.slots):
+            self.flat_param.grad = None
+
+    def start_reduce(self) -> None:
+        """Post-backward: divide, then start the reduce-scatter (or all-reduce) of the full gradient."""
+        grad = self.unsharded.grad
+        if grad is None:
+            return
+        if not self.sharded:  # NO_SHARD: reduce flat_param.grad in place
+            if self.predivide > 1:
+                grad.div_(self.predivide)
+            work = self.comm.all_reduce(grad, self.groups.shard, async_op=True)
+            self.pending.append((work, None, grad))
+            return
+        self.unsharded.grad = None
+        pad = self.layout.padded_numel - self.layout.numel
+        padded_grad = F.pad(grad, [0, pad]) if pad > 0 else grad
+        if self.predivide > 1:
+            padded_grad.div_(self.predivide)
+        out = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+        work = self.comm.reduce_scatter(out, padded_grad, self.groups.shard, async_op=True)
+        self.pending.append((work, out, padded_grad))
+
+    def finish_reduce(self) -> None:
+        """Final callback: wait, all-reduce across replicas (HYBRID), divide, accumulate into flat_param.grad."""
+        for work, out, grad in self.pending:
+            work.wait()
+            if out is None:  # NO_SHARD: grad is flat_param.grad
+                if self.postdivide > 1:
+                    grad.div_(self.postdivide)
+                continue
+            if self.groups.replicate is not None:
+                self.comm.all_reduce(out, self.groups.replicate).wait()
+            if self.postdivide > 1:
+                out.div_(self.postdivide)
+            if self.flat_param.grad is None:
+                self.flat_param.grad = out
+            else:
+                self.flat_param.grad += out
+        self.pending.clear()
+        if self.use_orig_params and self.flat_param.grad is not None:
+            for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
+                if slot.requires_grad:
+                    slot.param.grad = self.flat_param.grad[lo:hi].view(slot.param.shape)
+
+
+def dist_size(groups: ShardGroups) -> int:
+    return groups.shard_size

@@ -1,0 +1,176 @@
+"""Rank functions for the FSDP tests: train ours and torch's side by side, return small summaries.
+
+One ``spawn`` per world size trains every variant (strategy x model x optimizer)
+in turn, so the tests pay the process start-up once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minifsdp.fsdp import FSDP, ShardingStrategy
+from minifsdp.models import MLP, Block, CharCorpus, TinyGPT
+from minifsdp.sharding import hybrid_groups
+from minifsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+STEPS = 5
+BATCH = 4
+
+
+def make_model(kind: str):
+    return TinyGPT(seed=0) if kind == "gpt" else MLP((16, 32, 32, 8), seed=0)
+
+
+def policy(kind: str, ours: bool):
+    """Nested wrapping: each GPT Block; for the MLP, Linears of >= 500 parameters (2 of 3)."""
+    if kind == "gpt":
+        fn = transformer_auto_wrap_policy if ours else _torch_wrap().transformer_auto_wrap_policy
+        return functools.partial(fn, transformer_layer_cls={Block})
+    fn = size_based_auto_wrap_policy if ours else _torch_wrap().size_based_auto_wrap_policy
+    return functools.partial(fn, min_num_params=500)
+
+
+def _torch_wrap():
+    import torch.distributed.fsdp.wrap as w
+
+    return w
+
+
+_CORPUS = []
+
+
+def batch(kind, step, rank, world):
+    if kind == "gpt":
+        if not _CORPUS:
+            _CORPUS.append(CharCorpus())
+        return _CORPUS[0].batch(step, BATCH, 32, rank, world)
+    return MLP((16, 32, 32, 8)).batch(step, BATCH, rank, world)
+
+
+def loss_of(kind, model, x, y):
+    return model(x, y) if kind == "gpt" else F.mse_loss(model(x), y)
+
+
+def make_opt(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def train(model, kind, opt_name, rank, world, clip=True):
+    """STEPS steps; returns losses and the grad norms that clip_grad_norm_ reported."""
+    opt = make_opt(opt_name, model.parameters())
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(kind, step, rank, world)
+        loss = loss_of(kind, model, x, y)
+        loss.backward()
+        if clip:
+            norms.append(model.clip_grad_norm_(0.5).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def torch_strategy(s: ShardingStrategy):
+    from torch.distributed.fsdp import ShardingStrategy as T
+
+    return T[s.name]
+
+
+def groups_for(strategy):
+    """(ours, torch's) process_group arguments: the 2 x 2 tuple for HYBRID_SHARD."""
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        g = hybrid_groups(2)
+        return g, g
+    return None, None
+
+
+def run_variant(kind, strategy, opt_name, collectives="torch"):
+    """Ours and torch FSDP1 on the same seed and data; returns both summaries."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours_pg, torch_pg = groups_for(strategy)
+    ours = FSDP(make_model(kind), process_group=ours_pg, sharding_strategy=strategy,
+                auto_wrap_policy=policy(kind, True), collectives=collectives)
+    theirs = TorchFSDP(make_model(kind), process_group=torch_pg, sharding_strategy=torch_strategy(strategy),
+                       auto_wrap_policy=policy(kind, False), device_id=torch.device("cpu"), use_orig_params=False)
+    out = {}
+    for name, model in (("ours", ours), ("torch", theirs)):
+        losses, norms = train(model, kind, opt_name, rank, world)
+        shards = [p.detach().clone() for p in model.parameters()]  # each unit's local flat shard, pre-order
+        if name == "ours":
+            full = {k: v for k, v in model.state_dict().items()}
+        else:
+            with TorchFSDP.summon_full_params(model):
+                full = {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone()
+                        for k, v in model.named_parameters()}
+        out[name] = dict(losses=losses, norms=norms, shards=shards, full=full)
+    return out
+
+
+def run_fsdp2(kind, reshard_after_forward: bool):
+    """torch FSDP2 (fully_shard on each nested unit, then the root): full parameters after training."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(kind)
+    units = list(model.blocks) if kind == "gpt" else [model.net[0], model.net[2]]
+    for m in units:
+        fully_shard(m, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    losses, _ = train(model, kind, "adamw", rank, world, clip=False)
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return dict(losses=losses, full=full)
+
+
+def run_single(kind, opt_name, world):
+    """The single-process oracle: the plain model on the global batch (all ranks' rows)."""
+    model = make_model(kind)
+    opt = make_opt(opt_name, model.parameters())
+    losses = []
+    for step in range(STEPS):
+        parts = [batch(kind, step, r, world) for r in range(world)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        loss = loss_of(kind, model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, full={k: v.clone() for k, v in model.state_dict().items()})
+
+
+def parity_worker(world: int, variants: list, fsdp2: list, collectives_variants: list):
+    """Every variant on this rank; returns {key: summary}."""
+    results = {}
+    for kind, strategy_name, opt_name in variants:
+        results[(kind, strategy_name, opt_name, "torch")] = run_variant(kind, ShardingStrategy[strategy_name],
+                                                                        opt_name)
+    for kind, strategy_name, opt_name in collectives_variants:
+        results[(kind, strategy_name, opt_name, "ring")] = run_variant(kind, ShardingStrategy[strategy_name],
+                                                                       opt_name, collectives="ring")
+    for kind, raf in fsdp2:
+        results[("fsdp2", kind, raf)] = run_fsdp2(kind, raf)
+    if dist.get_rank() == 0:
+        for kind in ("gpt", "mlp"):
+            for opt_name in ("sgd", "adamw"):
+                results[("single", kind, opt_name)] = run_single(kind, opt_name, world)
+    return to_numpy(results)
+
+
+def to_numpy(obj):
+    """Tensors -> numpy arrays (pickled by value; torch tensors would travel as shared memory)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_numpy(v) for v in obj)
+    return obj
