@@ -214,6 +214,8 @@ class DistributedDataParallel(nn.Module):
             bucket.pending -= 1
             self._ready[i] = None
             self._launch_ready_buckets()
+            if self.trace:
+                self._poll_finished()
 
         return hook
 
@@ -239,12 +241,22 @@ class DistributedDataParallel(nn.Module):
                     future().add_done_callback(lambda _f, e=event: e.__setitem__("finished", time.perf_counter()))
             self._next_to_launch += 1
 
+    def _poll_finished(self) -> None:
+        """Stamp buckets whose all-reduce has finished (for handles without a future to call us back)."""
+        for event in self.bucket_events:
+            if event["finished"] is None:
+                is_completed = getattr(self._buckets[event["bucket"]].handle, "is_completed", None)
+                if is_completed is not None and is_completed():
+                    event["finished"] = time.perf_counter()
+
     def _finish_backward(self) -> None:
         """Runs once, when autograd has finished this backward."""
         self._in_backward = False
         for bucket in self._buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
+                if self.trace:
+                    self._poll_finished()
         if self._next_to_launch < len(self._buckets):
             missing = [self._names[i] for i in range(len(self._params)) if i not in self._ready]
             raise RuntimeError(
