@@ -58,7 +58,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     with torch.no_grad():
         for u in units:
             u._handle.unshard()
-            u._handle.use_unsharded_views(as_data=u._handle.use_orig_params)
+            u._handle.use_unsharded_views(as_data=u._handle.use_orig_params, detach=True)
     try:
         yield
     finally:

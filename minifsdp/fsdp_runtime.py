@@ -107,14 +107,15 @@ class FlatParamHandle:
             self.padded.untyped_storage().resize_(0)
             self.is_unsharded = False
 
-    def use_unsharded_views(self, as_data: bool = False) -> None:
+    def use_unsharded_views(self, as_data: bool = False, detach: bool = False) -> None:
         """Point every original name at its view of the full buffer.
 
         ``as_data=False`` (forward): plain-tensor views that carry autograd to
         ``unsharded``.  ``as_data=True`` (summon_full_params with use_orig_params):
         the original ``nn.Parameter`` s get the full views as their ``.data``.
+        ``detach=True`` (summon_full_params): views outside autograd, editable in place.
         """
-        views = unflatten(self.unsharded, self.layout)
+        views = unflatten(self.unsharded.detach() if detach else self.unsharded, self.layout)
         for slot, v in zip(self.layout.slots, views):
             if as_data:
                 slot.param.data = v.detach()

@@ -174,3 +174,87 @@ def to_numpy(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_numpy(v) for v in obj)
     return obj
+
+
+def _decay_groups(named):
+    """Optimizer groups by name: no weight decay on 1-D parameters (norms, biases), as in nanoGPT."""
+    decay = [p for n, p in named if p.dim() >= 2 and p.numel() > 0 and "ln" not in n and "bias" not in n]
+    rest = [p for n, p in named if not any(p is q for q in decay)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _orig_groups(model):
+    """Groups decided from the ORIGINAL names and shapes (use_orig_params=True shows both)."""
+    plain = dict(make_model("gpt").named_parameters())
+    named = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+    decay = [p for n, p in named if plain[n].dim() >= 2]
+    rest = [p for n, p in named if plain[n].dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def features_worker():
+    """use_orig_params, no_sync, summon_full_params and state dicts, each against torch FSDP1 or the plain model."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    # 1. use_orig_params=True with weight-decay groups chosen by original name and shape.
+    ours = FSDP(make_model("gpt"), auto_wrap_policy=policy("gpt", True), use_orig_params=True)
+    theirs = TorchFSDP(make_model("gpt"), auto_wrap_policy=policy("gpt", False), use_orig_params=True,
+                       device_id=torch.device("cpu"))
+    out["orig_names"] = [n for n, _ in ours.named_parameters()]
+    out["torch_orig_names"] = [n for n, _ in theirs.named_parameters()]
+    out["plain_names"] = [n for n, _ in make_model("gpt").named_parameters()]
+    for name, model in (("ours", ours), ("torch", theirs)):
+        opt = torch.optim.AdamW(_orig_groups(model), lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch("gpt", step, rank, world)
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        flat = [m.flat_param for m in ours.modules() if isinstance(m, FSDP)] if name == "ours" else \
+            [m._flat_param for m in TorchFSDP.fsdp_modules(model)]
+        out[f"orig_{name}"] = dict(losses=losses, flat=[f.detach().clone() for f in flat],
+                                   shapes=[tuple(p.shape) for _, p in model.named_parameters()])
+        with (FSDP if name == "ours" else TorchFSDP).summon_full_params(model):
+            out[f"orig_{name}"]["full"] = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                                           for n, p in model.named_parameters()}
+            out[f"orig_{name}"]["full_shapes"] = [tuple(p.shape) for _, p in model.named_parameters()]
+    # 2. no_sync: the first of two micro-batches accumulates locally, forward AND backward inside.
+    for name in ("ours", "torch"):
+        model = FSDP(make_model("gpt"), auto_wrap_policy=policy("gpt", True)) if name == "ours" else \
+            TorchFSDP(make_model("gpt"), auto_wrap_policy=policy("gpt", False), device_id=torch.device("cpu"))
+        opt = make_opt("sgd", model.parameters())
+        for step in range(3):
+            x, y = batch("gpt", step, rank, world)
+            with model.no_sync():
+                model(x[:2], y[:2]).backward()
+            model(x[2:], y[2:]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[f"nosync_{name}"] = [p.detach().clone() for p in model.parameters()]
+    # 3. summon_full_params with writeback, full state dict into the plain model, and back.
+    model = FSDP(make_model("gpt"), auto_wrap_policy=policy("gpt", True))
+    train(model, "gpt", "adamw", rank, world)
+    with FSDP.summon_full_params(model):
+        out["summon_shapes"] = {n: tuple(getattr(model.module.blocks[0].module.attn.qkv, n).shape)
+                                for n in ("weight", "bias")}
+        model.module.ln_f.weight.add_(1.0)  # an edit that writeback must keep
+    sd = model.state_dict()
+    plain = make_model("gpt")
+    plain.load_state_dict(sd)  # strict: every name the plain model has, no more
+    x, y = batch("gpt", 99, 0, 1)
+    with torch.no_grad():
+        out["eval_fsdp"] = model(x, y)
+        out["eval_plain"] = plain(x, y)
+    out["sd_keys"] = sorted(sd)
+    out["plain_keys"] = sorted(make_model("gpt").state_dict())
+    out["tied_in_sd"] = bool(torch.equal(sd["lm_head.weight"], sd["tok_emb.weight"]))
+    fresh = FSDP(TinyGPT(seed=1), auto_wrap_policy=policy("gpt", True))
+    fresh.load_state_dict(sd)
+    with torch.no_grad():
+        out["eval_reloaded"] = fresh(x, y)
+    return to_numpy(out)
