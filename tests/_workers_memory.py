@@ -1,0 +1,81 @@
+"""Rank functions for tests/test_memory.py (module level, so spawn can pickle them)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from minifsdp.memory import MemoryTracker, snapshot
+from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
+
+BATCH = 8
+
+
+def _wrap(kind: str, model: torch.nn.Module):
+    """Wrap the tiny GPT as torch DDP or torch FSDP1 (transformer blocks as units)."""
+    if kind == "DDP":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # gradient_as_bucket_view: .grad IS the reducer's bucket, so the tracker sees DDP's whole gradient memory
+        return DistributedDataParallel(model, gradient_as_bucket_view=True)
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    return FullyShardedDataParallel(
+        model,
+        sharding_strategy=getattr(ShardingStrategy, kind),
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        device_id=torch.device("cpu"),  # FSDP1 on CPU must be told so, or it looks for an accelerator
+    )
+
+
+def _unit_numels(wrapped) -> list[tuple[int, int]]:
+    """(unpadded, padded) unsharded numel of each FSDP1 unit's flat parameter, root first (pre-order)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    out = []
+    for unit in FullyShardedDataParallel.fsdp_modules(wrapped):
+        fp = unit._handle.flat_param
+        out.append((fp._unpadded_unsharded_size.numel(), fp._padded_unsharded_size.numel()))
+    return out
+
+
+def measure_setups(kinds, track_storage_resize=True):
+    """For each wrapper kind: one warm-up step, then one tracked AdamW step; return the numbers."""
+    corpus, rank, world = CharCorpus(), dist.get_rank(), dist.get_world_size()
+    results = {}
+    for kind in kinds:
+        base = TinyGPT(GPTConfig.tiny(), seed=0)
+        n_params = sum(p.numel() for p in base.parameters())  # parameters() dedups the tied weight
+        n_tensors = len(list(base.parameters()))
+        model = _wrap(kind, base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = corpus.batch(0, BATCH, base.cfg.block_size, rank, world)
+        model(x, y).backward()  # warm-up: Adam's state exists from now on
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep .grad between steps in every setup (DDP's bucket views need it)
+        x, y = corpus.batch(1, BATCH, base.cfg.block_size, rank, world)
+        at_rest_before = snapshot(model, opt)
+        with MemoryTracker(model, opt, track_storage_resize=track_storage_resize) as mt:
+            mt.mark("forward")
+            loss = model(x, y)
+            mt.mark("backward")
+            loss.backward()
+            mt.mark("step")
+            opt.step()
+        results[kind] = {
+            "n_params": n_params,
+            "n_tensors": n_tensors,
+            "units": _unit_numels(model) if kind != "DDP" else [],
+            "rest": at_rest_before,
+            "peak": mt.peak_bytes,
+            "peak_phase": mt.peak_phase,
+            "at_peak": mt.breakdown_at_peak,
+            "end_of_forward": mt.breakdown_at("backward"),
+            "end": mt.breakdown_at("end"),
+            "timeline_points": len(mt.timeline),
+            "resizes": mt.storage_resizes,
+        }
+    return results
