@@ -21,8 +21,10 @@ How :class:`MemoryTracker` sees every storage come and go:
 Why not torch.profiler(profile_memory=True)?  It sees allocator events (resize
 included) but only as addresses and sizes: it cannot say *whose* bytes they
 are.  Why not only a dispatch mode?  ``resize_`` on a storage bypasses the
-dispatcher, so FSDP1's unsharded parameters would be invisible (the test
-``test_resize_tracking_is_what_sees_fsdp_all_gathers`` shows the difference).
+dispatcher: FSDP's all-gather buffer would be seen only when the next op
+touches it (late), and its free not until something re-reads its size
+(``test_tracker_sees_frees_and_storage_resizes`` shows a resize that no op sees).
+This is also how torch's own ``torch.distributed._tools.mem_tracker`` works.
 
 How each live storage gets its category (first match wins, in this order):
 

@@ -6,6 +6,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from minifsdp.memory import MemoryTracker, snapshot
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
@@ -20,8 +21,21 @@ def _wrap(kind: str, model: torch.nn.Module):
 
         # gradient_as_bucket_view: .grad IS the reducer's bucket, so the tracker sees DDP's whole gradient memory
         return DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if kind.startswith("FSDP2"):  # torch's fully_shard: DTensor parameters, one unit per block + the root
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        reshard = kind == "FSDP2_FULL_SHARD"
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    if kind.startswith("OURS_"):
+        from minifsdp.fsdp import FullyShardedDataParallel as Ours
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        return Ours(model, sharding_strategy=kind[len("OURS_"):], auto_wrap_policy=policy)
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     return FullyShardedDataParallel(
         model,
@@ -68,7 +82,7 @@ def measure_setups(kinds, track_storage_resize=True):
         results[kind] = {
             "n_params": n_params,
             "n_tensors": n_tensors,
-            "units": _unit_numels(model) if kind != "DDP" else [],
+            "units": _unit_numels(model) if kind in ("FULL_SHARD", "SHARD_GRAD_OP") else [],
             "rest": at_rest_before,
             "peak": mt.peak_bytes,
             "peak_phase": mt.peak_phase,

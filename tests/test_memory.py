@@ -179,10 +179,10 @@ def test_source_hook_crashes_on_tuple_output_ours_does_not():
 
 @pytest.mark.timeout(120)
 def test_two_ranks_ddp_vs_fsdp1_memory():
-    results = spawn(measure_setups, args=(["DDP", "FULL_SHARD", "SHARD_GRAD_OP"],), world_size=2)
+    results = spawn(measure_setups, args=(["DDP", "FULL_SHARD", "SHARD_GRAD_OP", "FSDP2_FULL_SHARD"],), world_size=2)
     n = 2
     for r in results:  # the ranks hold the same-sized shards here (every unit's numel is even)
-        ddp, fs, sgo = r["DDP"], r["FULL_SHARD"], r["SHARD_GRAD_OP"]
+        ddp, fs, sgo, fsdp2 = r["DDP"], r["FULL_SHARD"], r["SHARD_GRAD_OP"], r["FSDP2_FULL_SHARD"]
         psi, tensors = ddp["n_params"], ddp["n_tensors"]
         model_state = lambda s: {k: v for k, v in s.items() if k in ("parameters", "gradients", "optimizer_state")}  # noqa: E731
 
@@ -196,13 +196,18 @@ def test_two_ranks_ddp_vs_fsdp1_memory():
         want = model_state_bytes(shard * n, n, "FULL_SHARD", extra_optimizer_bytes=4 * len(units))
         for got in (fs, sgo):
             assert model_state(got["rest"]) == {k: want[k] for k in model_state(want)}
+        # FSDP2 shards each parameter on dim 0 (every dim 0 here is even at N = 2: no padding) and Adam keeps
+        # one step counter per original parameter (28) instead of one per flat parameter (3).
+        assert fsdp2["rest"]["parameters"] == fs["rest"]["parameters"] == 4 * psi // n
+        assert fsdp2["rest"]["gradients"] == fs["rest"]["gradients"]
+        assert fsdp2["rest"]["optimizer_state"] - fs["rest"]["optimizer_state"] == 4 * (tensors - len(units))
         # Against the ideal 16Ψ/N the only gap is padding (< N elements a unit) and the step counters.
         ideal = model_state_bytes(psi, n, "FULL_SHARD")["total"]
         assert 0 <= sum(model_state(fs["rest"]).values()) - ideal <= 16 * (n - 1) * len(units) + 4 * len(units)
 
         # The all-gathered parameters are seen (allocated and freed through storage.resize_):
         root, blocks = units[0][1] * 4, [u[1] * 4 for u in units[1:]]  # fsdp_modules(): root first
-        assert fs["resizes"] > 0 and sgo["resizes"] > 0 and ddp["resizes"] == 0
+        assert fs["resizes"] > 0 and sgo["resizes"] > 0 and fsdp2["resizes"] > 0 and ddp["resizes"] == 0
         # end of forward: FULL_SHARD freed every block but keeps the root (torch never reshards the root after
         # its forward); SHARD_GRAD_OP keeps every unit unsharded until the backward is done.
         assert fs["end_of_forward"]["unsharded_parameters"] == root
@@ -211,11 +216,17 @@ def test_two_ranks_ddp_vs_fsdp1_memory():
         # at FULL_SHARD's peak (start of the backward): the root plus at least one re-gathered block
         sums = {root + sum(c) for k in range(1, len(blocks) + 1) for c in itertools.combinations(blocks, k)}
         assert fs["at_peak"]["unsharded_parameters"] in sums
+        # FSDP2 reshards the root after its forward too
+        assert fsdp2["end_of_forward"]["unsharded_parameters"] == 0
         # Same model, same local batch: the saved activations are byte-for-byte the same size.
-        assert ddp["end_of_forward"]["activations"] == fs["end_of_forward"]["activations"]
-        assert ddp["end_of_forward"]["activations"] == sgo["end_of_forward"]["activations"]
-        # Peaks (measured, then asserted): FULL_SHARD < SHARD_GRAD_OP < DDP, because with equal activations
-        # the peak differs by model state: 8Ψ/N... + root + one block  <  16Ψ/N + 4Ψ  <  16Ψ.
+        for got in (fs, sgo, fsdp2):
+            assert got["end_of_forward"]["activations"] == ddp["end_of_forward"]["activations"]
+        # Peaks (measured, then asserted): every peak falls at the start of the backward, where the
+        # activations (the same in all) and the same temporaries sit on top of the model state, so the
+        # order is the model state's: 16Ψ/N + root + a block  <  16Ψ/N + 4Ψ (all unsharded)  <  16Ψ.
         assert fs["peak"] < sgo["peak"] < ddp["peak"]
         for got in (ddp, fs, sgo):
+            assert got["peak_phase"] == "backward"
             assert got["at_peak"]["total"] == got["peak"]
+            for c in ("parameters", "gradients", "optimizer_state", "buffers"):  # .grad kept: set_to_none=False
+                assert got["at_peak"][c] == got["rest"][c]
