@@ -56,6 +56,7 @@ inside a single kernel.  Only storages on ``device`` (default "cpu") count.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -67,19 +68,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 __all__ = ["MemoryTracker", "snapshot", "CATEGORIES", "activation_sizes", "register_activation_size_hooks"]
 
-CATEGORIES = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "buffers",
-    "unsharded_parameters",
-    "activations",
-    "other",
-)
+# in order of precedence: a storage seen in two roles gets the first
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "unsharded_parameters", "activations", "other")
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples / lists / dicts (and dataclass-free objects: none)."""
+    """Every tensor inside nested tuples / lists / dicts; anything else (None, str, ...) holds none."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
@@ -188,6 +182,7 @@ class MemoryTracker:
         self._dead_roles: dict[int, set[str]] = {}  # roles of storages freed inside the region
         self._phase = "start"
         self._scanning = False
+        self._lock = threading.RLock()  # a storage may die on another thread (gloo's), mid-update here
         self._undo: list[Any] = []
 
     # ---- the region ----------------------------------------------------------------
@@ -231,13 +226,16 @@ class MemoryTracker:
         self._scan(at_rest=True)
         self.mark("end")
         # Resolve every storage we kept numbers for into one category, then forget the storages.
-        self._final_roles = {e.key: e.roles for e in self._entries.values()} | self._dead_roles
-        for e in self._entries.values():
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        self._final_roles = {e.key: e.roles for e in entries} | self._dead_roles
+        for e in entries:
             e.ref = None
-        self._entries = {}
 
     def mark(self, name: str) -> None:
         """Start a phase called ``name`` ("forward", "backward", "step", ...) and remember the bytes now."""
+        if not hasattr(self, "_t0"):
+            raise RuntimeError("mark() belongs inside `with MemoryTracker(...) as mt:`; the tracker is not running.")
         self._scan(at_rest=False)
         self._phase = name
         self.marks.append((name, time.perf_counter() - self._t0))
@@ -273,6 +271,10 @@ class MemoryTracker:
     def _see_storage(self, st: torch.UntypedStorage, role: str | None = None) -> None:
         if MemoryTracker._active is not self or st.device.type != self.device:
             return
+        with self._lock:
+            self._count(st, role)
+
+    def _count(self, st: torch.UntypedStorage, role: str | None) -> None:
         entry = self._entries.get(id(st))
         if entry is None:  # first sight: count it from now on
             self._serial += 1
@@ -287,16 +289,17 @@ class MemoryTracker:
             self._record()
 
     def _on_free(self, storage_id: int, _ref) -> None:
-        entry = self._entries.pop(storage_id, None)
-        if entry is None or MemoryTracker._active is not self:
-            return
-        self._dead_roles[entry.key] = entry.roles  # dead storages may be in the peak's record
-        self.current_bytes -= entry.nbytes
-        if entry.nbytes:
-            self._record()
+        with self._lock:
+            entry = self._entries.pop(storage_id, None)
+            if entry is None or MemoryTracker._active is not self:
+                return
+            self._dead_roles[entry.key] = entry.roles  # dead storages may be in the peak's record
+            self.current_bytes -= entry.nbytes
+            if entry.nbytes:
+                self._record()
 
     def _live(self) -> dict[int, int]:
-        return {e.key: e.nbytes for e in self._entries.values() if e.nbytes}
+        return {e.key: e.nbytes for e in list(self._entries.values()) if e.nbytes}  # list(): frees may land
 
     def _record(self) -> None:
         self.timeline.append((time.perf_counter() - self._t0, self.current_bytes))

@@ -27,6 +27,7 @@ torch's Adam keeps a 4-byte ``step`` tensor per optimized tensor.
 
     rows = memory_rows(num_params=29_568, world_sizes=[1, 2, 4, 8])
     print(format_rows(rows)); plot_memory_vs_world_size(rows)
+    plot_timeline(tracker)     # a measured step (minifsdp.memory.MemoryTracker) beside the formulas
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "memory_rows",
     "format_rows",
     "plot_memory_vs_world_size",
+    "plot_timeline",
 ]
 
 # bytes per parameter of (parameters, gradients, optimizer state)
@@ -176,6 +178,34 @@ def plot_memory_vs_world_size(rows: list[dict], ax=None, title: str = "model sta
     ax.set_xscale("log", base=2)
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel("KiB per rank")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_timeline(tracker, ax=None, title: str = "live tensor bytes during one step"):
+    """A :class:`~minifsdp.memory.MemoryTracker`'s bytes over time, a dashed line at each mark.
+
+    Returns the matplotlib Figure; the peak is the dot.
+    """
+    import matplotlib.pyplot as plt
+
+    if not tracker.timeline:
+        raise ValueError("the tracker has no timeline: plot it after its `with` block has run.")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 3))
+    else:
+        fig = ax.figure
+    t = [s * 1e3 for s, _ in tracker.timeline]
+    kib = [b / 1024 for _, b in tracker.timeline]
+    ax.step(t, kib, where="post", color="C0")
+    i = kib.index(max(kib))
+    ax.plot([t[i]], [kib[i]], "o", color="C3", label=f"peak {kib[i]:.0f} KiB ({tracker.peak_phase})")
+    for name, s in tracker.marks:
+        ax.axvline(s * 1e3, color="gray", linestyle="--", linewidth=0.8)
+        ax.annotate(name, (s * 1e3, max(kib)), fontsize="small", rotation=90, va="top")
+    ax.set_xlabel("ms since the tracker started")
+    ax.set_ylabel("KiB")
     ax.set_title(title)
     ax.legend(fontsize="small")
     return fig

@@ -17,7 +17,14 @@ import torch.nn as nn
 from minifsdp import spawn
 from minifsdp.memory import CATEGORIES, MemoryTracker, activation_sizes, register_activation_size_hooks, snapshot
 from minifsdp.models import TinyGPT
-from minifsdp.zero_formulas import format_rows, memory_rows, model_state_bytes, plot_memory_vs_world_size, sharded_numel
+from minifsdp.zero_formulas import (
+    format_rows,
+    memory_rows,
+    model_state_bytes,
+    plot_memory_vs_world_size,
+    plot_timeline,
+    sharded_numel,
+)
 from tests._workers_memory import measure_setups
 
 matplotlib.use("Agg")
@@ -116,6 +123,10 @@ def test_tracker_one_process_step():
     assert max(b for _, b in mt.timeline) == mt.peak_bytes
     with pytest.raises(KeyError, match="no mark named 'fwd'"):
         mt.breakdown_at("fwd")
+    fig = plot_timeline(mt)
+    dot = next(line for line in fig.axes[0].get_lines() if line.get_label().startswith("peak"))
+    assert dot.get_ydata()[0] == mt.peak_bytes / 1024
+    matplotlib.pyplot.close(fig)
 
 
 def test_tracker_sees_frees_and_storage_resizes():
@@ -132,7 +143,12 @@ def test_tracker_sees_frees_and_storage_resizes():
         assert mt.storage_resizes == (2 if track else 0)
 
 
-def test_only_one_tracker_at_a_time():
+def test_tracker_misuse_says_what_to_do():
+    mt = MemoryTracker()
+    with pytest.raises(RuntimeError, match="inside `with MemoryTracker"):
+        mt.mark("forward")
+    with pytest.raises(RuntimeError, match="once the `with MemoryTracker"):
+        _ = mt.breakdown_at_peak
     with MemoryTracker():
         with pytest.raises(RuntimeError, match="already running"):
             with MemoryTracker():
