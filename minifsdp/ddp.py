@@ -119,7 +119,11 @@ class DistributedDataParallel(nn.Module):
             rebuilt once in the order gradients were seen to become ready.  The
             layout decides which ranks' numbers a ring algorithm adds first for
             each element, so only "torch" is bitwise equal to torch's DDP at
-            3+ ranks (at 2 ranks, a + b == b + a, and both are).
+            3+ ranks (at 2 ranks, a + b == b + a, and both are).  Measured
+            (tests/test_ddp.py, TinyGPT and MLP, 5 steps): "torch" layout with
+            collectives="torch" is bitwise at 2, 3 and 4 ranks; the "reverse"
+            layout, or our ring at 4 ranks, differ by at most ~1e-7 (SGD) and
+            ~1e-5 (AdamW).
 
     Attributes:
         module: the wrapped model.
@@ -127,7 +131,10 @@ class DistributedDataParallel(nn.Module):
             which parameter names share each bucket, in launch order.
         bucket_events: with ``trace=True``, the last backward's buckets as
             ``{"bucket", "bytes", "issued", "finished"}`` (``time.perf_counter`` seconds),
-            and ``backward_window = (first hook, end of backward)``.
+            and ``backward_window = (first hook, end of backward)``.  gloo's
+            handles call us back when they finish; for handles without a future
+            (our ring), ``finished`` is when we first *saw* it done (at a later
+            hook or at the final wait), an upper bound.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group=None,
