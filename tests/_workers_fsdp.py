@@ -241,11 +241,13 @@ def features_worker():
     # 3. summon_full_params with writeback, full state dict into the plain model, and back.
     model = FSDP(make_model("gpt"), auto_wrap_policy=policy("gpt", True))
     train(model, "gpt", "adamw", rank, world)
+    before = model.state_dict()["ln_f.weight"]
     with FSDP.summon_full_params(model):
         out["summon_shapes"] = {n: tuple(getattr(model.module.blocks[0].module.attn.qkv, n).shape)
                                 for n in ("weight", "bias")}
         model.module.ln_f.weight.add_(1.0)  # an edit that writeback must keep
     sd = model.state_dict()
+    out["writeback_kept_edit"] = bool(torch.equal(sd["ln_f.weight"], before + 1.0))
     plain = make_model("gpt")
     plain.load_state_dict(sd)  # strict: every name the plain model has, no more
     x, y = batch("gpt", 99, 0, 1)
@@ -260,3 +262,68 @@ def features_worker():
     with torch.no_grad():
         out["eval_reloaded"] = fresh(x, y)
     return to_numpy(out)
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and the message
+        return type(e).__name__, str(e)
+    return None
+
+
+def errors_worker():
+    """Each bad input on 2 ranks: (exception type, message) or None if nothing was raised."""
+    import torch.nn as nn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+
+    def two_devices():
+        m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        m[1].to("meta")
+        FSDP(m)
+
+    out["devices"] = _error_of(two_devices)
+    out["hybrid_split"] = _error_of(lambda: hybrid_groups(3))
+    out["hybrid_tile"] = _error_of(lambda: FSDP(make_model("mlp"), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                                                process_group=(dist.group.WORLD, dist.group.WORLD)))
+    out["hybrid_none"] = _error_of(lambda: FSDP(make_model("mlp"), sharding_strategy=ShardingStrategy.HYBRID_SHARD))
+    out["differs"] = _error_of(lambda: FSDP(TinyGPT(seed=rank), auto_wrap_policy=policy("gpt", True)))
+    synced = FSDP(TinyGPT(seed=rank), auto_wrap_policy=policy("gpt", True), sync_module_states=True)
+    ref = TinyGPT(seed=0).state_dict()
+    out["synced_equals_rank0"] = all(torch.equal(v, ref[k]) for k, v in synced.state_dict().items())
+
+    def frozen_mix():
+        m = make_model("mlp")
+        m.net[0].weight.requires_grad_(False)
+        FSDP(m)
+
+    out["frozen_mix"] = _error_of(frozen_mix)
+
+    def optimizer_before_wrap():
+        m = make_model("mlp")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        fm = FSDP(m)
+        x, y = batch("mlp", 0, rank, world)
+        loss_of("mlp", fm, x, y).backward()
+        opt.step()
+
+    out["optimizer_before_wrap"] = _error_of(optimizer_before_wrap)
+
+    m = FSDP(make_model("gpt"), auto_wrap_policy=policy("gpt", True))
+    opt = make_opt("sgd", m.parameters())
+    x, y = batch("gpt", 0, rank, world)
+
+    def two_forwards_then_one_backward():  # allowed: the shards do not change in between
+        (m(x, y) + m(x, y)).backward()
+
+    out["two_forwards_ok"] = _error_of(two_forwards_then_one_backward)
+
+    def step_between_forward_and_backward():
+        m(x, y)  # its backward never runs...
+        opt.step()  # ...the shards change (grads from above are still there)...
+        m(x, y)  # ...and this forward would leave the first one's backward on new parameters
+
+    out["forward_again"] = _error_of(step_between_forward_and_backward)
+    return out
