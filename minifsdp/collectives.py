@@ -110,7 +110,8 @@ def _reduce_op_name(op) -> str | None:
 def _run(name: str, group, job, async_op: bool) -> Work | None:
     """Run ``job(ring)`` on the group's comm stream; wait unless ``async_op``."""
     stats = active_stats()  # bytes belong to the block that *issued* the collective
-    work = stream_for(group).submit(lambda: job(Ring(group, stats)), name)
+    stream = stream_for(group)
+    work = stream.submit(lambda: job(Ring(group, stats, stream.workspace)), name)
     if async_op:
         return work
     work.wait()
@@ -156,7 +157,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
         if n == 1:
             output.view(-1).copy_(chunks[0])
         # Two scratch buffers, used in turn: we send one while receiving into the other.
-        partial = [torch.empty(m, dtype=input.dtype, device=input.device) for _ in range(min(n - 1, 2))]
+        both = ring.scratch(2 * m, input)
+        partial = [both[:m], both[m:]]
         sending = chunks[reduce_scatter_chunks(r, n, 0)[0]]
         for s in range(n - 1):
             recv_c, received = reduce_scatter_chunks(r, n, s)[1], partial[s % 2]

@@ -77,6 +77,7 @@ class CommStream:
 
     def __init__(self, name: str):
         self.name = name
+        self.workspace: dict = {}  # scratch buffers the jobs may reuse (they run one at a time)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"minifsdp-comm-{name}", daemon=True)
         self._thread.start()

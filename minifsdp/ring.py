@@ -110,8 +110,9 @@ def active_stats() -> tuple[ByteStats, ...]:
 class Ring:
     """This rank's seat in the ring of ``group``: its rank, neighbours, and byte counters."""
 
-    def __init__(self, group, stats: tuple[ByteStats, ...]):
+    def __init__(self, group, stats: tuple[ByteStats, ...], workspace: dict | None = None):
         self.group = group
+        self.workspace = {} if workspace is None else workspace
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.stats = stats
@@ -137,6 +138,19 @@ class Ring:
             s.received += recv.numel() * recv.element_size()
             s.messages += bool(send.numel())
 
+    def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A reusable buffer of ``numel`` elements (dtype/device of ``like``) to receive into.
+
+        Note (workspace): kept between collectives of the same group (one stream runs one
+        collective at a time, so one buffer is enough): a fresh 32 MB buffer per call costs
+        8192 page faults while the kernel copies into it.  It holds the largest chunk seen so far.
+        """
+        key = (like.dtype, like.device)
+        buf = self.workspace.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.workspace[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
+
     def step(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """One ring step: send to the next rank, receive from the previous one."""
         self.exchange(send, self.rank + 1, recv, self.rank - 1)
@@ -153,7 +167,7 @@ def all_gather_in_place(ring: Ring, flat: torch.Tensor, bounds) -> None:
 def reduce_scatter_in_place(ring: Ring, flat: torch.Tensor, bounds) -> None:
     """Ring reduce-scatter on ``flat``: afterwards chunk r of rank r holds the sum over ranks."""
     n, r = ring.size, ring.rank
-    scratch = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
+    scratch = ring.scratch(bounds[0][1] - bounds[0][0], flat)
     for s in range(n - 1):
         send_c, recv_c = reduce_scatter_chunks(r, n, s)
         into = flat[slice(*bounds[recv_c])]
