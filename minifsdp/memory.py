@@ -40,11 +40,15 @@ How each live storage gets its category (first match wins, in this order):
     activations           saved for backward (a saved_tensors_hooks pack hook)
     other                 everything else: inputs, temporaries, comm buffers
 
-Note (what is counted): a storage counts from the moment we first see it:
-at __enter__ (everything reachable from the model and optimizer), when an op
-creates it, or when an op or scan first meets it.  Not seen: buffers that live
-in C++ only (DDP's reducer buckets, gloo's internal copies) and scratch memory
-inside a single kernel.  Only storages on ``device`` (default "cpu") count.
+Note (what is counted): a storage counts from the moment it is reachable from
+the model or optimizer (at __enter__ and at every scan), created by an op (an
+output that is none of the op's inputs) or resized.  Tensors made before the
+region and only read there (the dataset, a batch made outside) do not count:
+the allocator would not see them either, and
+``test_tracker_agrees_with_the_allocator`` checks that we agree with it.  Not
+seen: buffers that live in C++ only (DDP's reducer buckets unless
+``gradient_as_bucket_view=True`` makes them the .grad, gloo's internal copies)
+and scratch memory inside one kernel.  Only storages on ``device`` count.
 
     with MemoryTracker(model, optimizer) as mt:
         mt.mark("forward");  loss = model(x, y)
@@ -146,8 +150,12 @@ class _OpSpy(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in _tensors_in((args, kwargs, out)):
-            self.tracker._see(t)
+        inputs = {id(st) for t in _tensors_in((args, kwargs)) for st in _storages(t)}
+        for t in _tensors_in((args, kwargs)):
+            self.tracker._see(t, new=False)  # known ones may have been resized (resize_, set_)
+        for t in _tensors_in(out):
+            for st in _storages(t):  # an output storage that is none of the inputs' was made by this op
+                self.tracker._see_storage(st, new=id(st) not in inputs)
         return out
 
 
@@ -191,7 +199,8 @@ class MemoryTracker:
             raise RuntimeError("a MemoryTracker is already running; nest nothing, track one region at a time.")
         MemoryTracker._active = self
         self._t0 = time.perf_counter()
-        self._scan(at_rest=True)
+        self._scan(at_rest=True)  # what exists already: the model's and optimizer's tensors
+        self.timeline.clear()  # the timeline starts from there
         self.peak_bytes = -1
         self._record()
         if self.track_storage_resize:
@@ -264,18 +273,21 @@ class MemoryTracker:
         return out
 
     # ---- seeing storages -----------------------------------------------------------
-    def _see(self, t: torch.Tensor, role: str | None = None) -> None:
+    def _see(self, t: torch.Tensor, role: str | None = None, new: bool = True) -> None:
         for st in _storages(t):
-            self._see_storage(st, role)
+            self._see_storage(st, role, new)
 
-    def _see_storage(self, st: torch.UntypedStorage, role: str | None = None) -> None:
+    def _see_storage(self, st: torch.UntypedStorage, role: str | None = None, new: bool = True) -> None:
+        """Count ``st`` (if ``new`` or already counted), label it with ``role``, notice a resize."""
         if MemoryTracker._active is not self or st.device.type != self.device:
             return
         with self._lock:
-            self._count(st, role)
+            self._count(st, role, new)
 
-    def _count(self, st: torch.UntypedStorage, role: str | None) -> None:
+    def _count(self, st: torch.UntypedStorage, role: str | None, new: bool) -> None:
         entry = self._entries.get(id(st))
+        if entry is None and not new:  # made before the region and only read: not ours to count
+            return
         if entry is None:  # first sight: count it from now on
             self._serial += 1
             entry = _Entry(key=self._serial, nbytes=0)
@@ -338,7 +350,7 @@ class MemoryTracker:
             self._see(t, "unsharded_parameters")
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._see(t, "activations")
+        self._see(t, "activations", new=False)  # saved for backward: made by an op we saw, or an input
         return t
 
 
