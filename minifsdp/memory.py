@@ -10,7 +10,7 @@ How :class:`MemoryTracker` sees every storage come and go:
 
     op runs (forward, backward, optimizer, collectives)
       |  TorchDispatchMode: after each aten op, look at the storages of its
-      |  inputs and outputs; a storage met for the first time is counted
+      |  inputs and outputs; an output storage no input had is new: count it
       v
     storage.resize_(n)   <-- NOT an aten op: torch FSDP1 and FSDP2 allocate and
       |                      free the all-gathered parameter this way, so we wrap
@@ -38,7 +38,8 @@ How each live storage gets its category (first match wins, in this order):
                           FSDP's all-gathered parameters (seen by forward
                           pre-hooks on every module and scans at each new peak)
     activations           saved for backward (a saved_tensors_hooks pack hook)
-    other                 everything else: inputs, temporaries, comm buffers
+    other                 everything else: the loss, temporaries of the op
+                          running now, comm buffers (FSDP2's all-gather output)
 
 Note (what is counted): a storage counts from the moment it is reachable from
 the model or optimizer (at __enter__ and at every scan), created by an op (an
