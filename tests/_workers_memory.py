@@ -60,8 +60,11 @@ def measure_setups(kinds, track_storage_resize=True):
     """For each wrapper kind: one warm-up step, then one tracked AdamW step; return the numbers."""
     corpus, rank, world = CharCorpus(), dist.get_rank(), dist.get_world_size()
     results = {}
-    for kind in kinds:
-        base = TinyGPT(GPTConfig.tiny(), seed=0)
+    for name in kinds:
+        # "KIND@odd": a GPT whose blocks have an odd number of elements, so FSDP must pad them
+        kind, _, variant = name.partition("@")
+        cfg = GPTConfig(n_embd=33, n_head=3) if variant == "odd" else GPTConfig.tiny()
+        base = TinyGPT(cfg, seed=0)
         n_params = sum(p.numel() for p in base.parameters())  # parameters() dedups the tied weight
         n_tensors = len(list(base.parameters()))
         model = _wrap(kind, base)
@@ -79,7 +82,7 @@ def measure_setups(kinds, track_storage_resize=True):
             loss.backward()
             mt.mark("step")
             opt.step()
-        results[kind] = {
+        results[name] = {
             "n_params": n_params,
             "n_tensors": n_tensors,
             "units": _unit_numels(model) if kind in ("FULL_SHARD", "SHARD_GRAD_OP") else [],

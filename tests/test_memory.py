@@ -243,7 +243,8 @@ def test_source_hook_crashes_on_tuple_output_ours_does_not():
 
 @pytest.mark.timeout(120)
 def test_two_ranks_ddp_vs_fsdp1_memory():
-    results = spawn(measure_setups, args=(["DDP", "FULL_SHARD", "SHARD_GRAD_OP", "FSDP2_FULL_SHARD"],), world_size=2)
+    kinds = ["DDP", "FULL_SHARD", "SHARD_GRAD_OP", "FSDP2_FULL_SHARD", "FULL_SHARD@odd"]
+    results = spawn(measure_setups, args=(kinds,), world_size=2)
     n = 2
     for r in results:  # the ranks hold the same-sized shards here (every unit's numel is even)
         ddp, fs, sgo, fsdp2 = r["DDP"], r["FULL_SHARD"], r["SHARD_GRAD_OP"], r["FSDP2_FULL_SHARD"]
@@ -260,6 +261,14 @@ def test_two_ranks_ddp_vs_fsdp1_memory():
         want = model_state_bytes(shard * n, n, "FULL_SHARD", extra_optimizer_bytes=4 * len(units))
         for got in (fs, sgo):
             assert model_state(got["rest"]) == {k: want[k] for k in model_state(want)}
+        # Odd-sized units (n_embd = 33): each block's flat parameter gets one element of padding.
+        odd = r["FULL_SHARD@odd"]
+        assert [padded - unpadded for unpadded, padded in odd["units"]] == [0, 1, 1]
+        shard = sharded_numel([unpadded for unpadded, _ in odd["units"]], n)  # ceil() = the padding
+        want = model_state_bytes(shard * n, n, "FULL_SHARD", extra_optimizer_bytes=4 * len(odd["units"]))
+        assert model_state(odd["rest"]) == {k: want[k] for k in model_state(want)}
+        assert model_state(odd["rest"])["parameters"] == 4 * (odd["n_params"] + 2) // n  # + 1 pad per block
+
         # FSDP2 shards each parameter on dim 0 (every dim 0 here is even at N = 2: no padding) and Adam keeps
         # one step counter per original parameter (28) instead of one per flat parameter (3).
         assert fsdp2["rest"]["parameters"] == fs["rest"]["parameters"] == 4 * psi // n
