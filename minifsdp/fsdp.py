@@ -29,16 +29,20 @@ holds the old tensors, which no longer train: its first ``step()`` raises.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
 from minifsdp import fsdp_api
+from minifsdp.fsdp_checks import (
+    broadcast_from_rank0,
+    check_one_device,
+    check_same_on_all_ranks,
+    install_optimizer_check,
+)
 from minifsdp.fsdp_runtime import FlatParamHandle
 from minifsdp.sharding import RESHARD_AFTER_FORWARD, Comm, ShardingStrategy, resolve_groups
 from minifsdp.wrap import recursive_wrap
@@ -92,11 +96,11 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         params = [p for p in module.parameters() if not _is_managed(p)]
         buffers = _own_buffers(module)
-        _check_one_device(module, params, buffers)
+        check_one_device(module, params, buffers)
         if sync_module_states:
-            self._broadcast_from_rank0(params + buffers)
+            broadcast_from_rank0(self.groups, params + buffers)
         else:
-            self._check_same_on_all_ranks(module, params, buffers)
+            check_same_on_all_ranks(self.groups, module, params, buffers)
         self._handle = None
         if params:
             self._handle = FlatParamHandle(module, params, self.groups, sharding_strategy, use_orig_params, self.comm)
@@ -120,7 +124,7 @@ class FullyShardedDataParallel(nn.Module):
         self._pending_versions: list[int] | None = None
         if self._handle is not None and self._handle.unsharded.requires_grad:
             self._handle.unsharded.register_post_accumulate_grad_hook(lambda _leaf: self._post_backward())
-        _install_optimizer_check()
+        install_optimizer_check()
 
     # ------------------------------------------------------------------ what users see
     @property
@@ -248,34 +252,6 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         self._pending_versions = None
 
-    # ------------------------------------------------------------------ init checks
-    def _check_same_on_all_ranks(self, module, params, buffers) -> None:
-        """Compare a checksum of every own parameter and buffer across ranks (one all-reduce)."""
-        tensors = params + buffers
-        if not tensors:
-            return
-        digests = torch.tensor([_digest(t) for t in tensors], dtype=torch.int64)
-        for group in filter(None, (self.groups.shard, self.groups.replicate)):
-            lo, hi = digests.clone(), digests.clone()
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-            bad = (lo != hi).nonzero().flatten().tolist()
-            if bad:
-                names = {id(t): n for n, t in list(module.named_parameters()) + list(module.named_buffers())}
-                which = ", ".join(names.get(id(tensors[i]), "?") for i in bad[:5])
-                raise RuntimeError(
-                    f"FSDP: the model differs across ranks at wrap time ({which}). Every rank must start from the "
-                    "same weights: build the model with the same seed on every rank, or pass "
-                    "sync_module_states=True to copy rank 0's parameters and buffers to all ranks."
-                )
-
-    def _broadcast_from_rank0(self, tensors) -> None:
-        for group in filter(None, (self.groups.replicate, self.groups.shard)):
-            src = dist.get_global_rank(group, 0)
-            for t in tensors:
-                with torch.no_grad():
-                    dist.broadcast(t.data, src=src, group=group)
-
     # ------------------------------------------------------------------ no_sync
     @contextlib.contextmanager
     def no_sync(self):
@@ -304,40 +280,3 @@ def _is_managed(p: torch.Tensor) -> bool:
 def _own_buffers(module: nn.Module) -> list[torch.Tensor]:
     nested = {id(b) for m in module.modules() if isinstance(m, FullyShardedDataParallel) for b in m.buffers()}
     return [b for b in module.buffers() if id(b) not in nested]
-
-
-def _check_one_device(module: nn.Module, params, buffers) -> None:
-    devices = {}
-    names = {id(t): n for n, t in list(module.named_parameters()) + list(module.named_buffers())}
-    for t in params + buffers:
-        devices.setdefault(t.device, names.get(id(t), "?"))
-    if len(devices) > 1:
-        where = ", ".join(f"{n} on {d}" for d, n in devices.items())
-        raise ValueError(f"FSDP: the module's parameters/buffers sit on different devices ({where}); one flat "
-                         "parameter lives on one device. Move the module first: module.to(device), or pass device_id=.")
-
-
-def _digest(t: torch.Tensor) -> int:
-    data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
-
-
-_OPTIMIZER_CHECK = []
-
-
-def _install_optimizer_check() -> None:
-    """Once per process: before any optimizer step, refuse parameters that FSDP has replaced."""
-    if _OPTIMIZER_CHECK:
-        return
-
-    def check(optimizer, args, kwargs):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if hasattr(p, "_minifsdp_orphan"):
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__} holds the parameter '{p._minifsdp_orphan}' that FSDP has "
-                        "flattened away: the optimizer was built before wrapping, so it would train nothing. "
-                        "Build it after wrapping: torch.optim.X(fsdp_model.parameters(), ...)."
-                    )
-
-    _OPTIMIZER_CHECK.append(register_optimizer_step_pre_hook(check))

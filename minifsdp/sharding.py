@@ -16,8 +16,8 @@ HYBRID_SHARD on 4 ranks as a 2 x 2 mesh (replicate dimension first, shard second
     rank 0 and rank 2 hold the same shard; ranks 0 and 1 together hold a whole unit.
 
 Note (gradient averaging, bitwise as torch FSDP1): torch does not divide the
-summed gradient by N once.  With ``f = predivide_factor(N)`` (the largest power
-of two with ``f * f <= N`` roughly, see the function) it divides each rank's
+summed gradient by N once.  With ``f = predivide_factor(N)`` (the smallest power
+of two with ``f * f >= N``, stopping early if f stops dividing N) it divides each rank's
 gradient by ``f`` *before* the sum and the result by ``N / f`` after
 (``torch/distributed/fsdp/_init_utils.py`` and ``_runtime_utils.py``), which keeps
 fp16 sums from overflowing or underflowing.  N = 2: /2 before, none after;
