@@ -39,7 +39,9 @@ def check_same_on_all_ranks(groups, module, params, buffers) -> None:
                 "sync_module_states=True to copy rank 0's parameters and buffers to all ranks."
             )
 
+
 def broadcast_from_rank0(groups, tensors) -> None:
+    """sync_module_states=True: every rank takes rank 0's parameters and buffers (replicate, then shard group)."""
     for group in filter(None, (groups.replicate, groups.shard)):
         src = dist.get_global_rank(group, 0)
         for t in tensors:
