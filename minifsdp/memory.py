@@ -71,22 +71,13 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from minifsdp.activation_sizes import activation_sizes, register_activation_size_hooks
+from minifsdp.activation_sizes import tensors_in as _tensors_in
+
 __all__ = ["MemoryTracker", "snapshot", "CATEGORIES", "activation_sizes", "register_activation_size_hooks"]
 
 # in order of precedence: a storage seen in two roles gets the first
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "unsharded_parameters", "activations", "other")
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples / lists / dicts; anything else (None, str, ...) holds none."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from _tensors_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors_in(x)
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -353,45 +344,3 @@ class MemoryTracker:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._see(t, "activations", new=False)  # saved for backward: made by an op we saw, or an input
         return t
-
-
-# ---- 2.3: the source's per-layer activation hook, fixed --------------------------------
-
-
-def _output_bytes(output: Any) -> int:
-    """Bytes of every tensor in a module output: a tensor, tuple, list, dict, None, or anything else (0)."""
-    return sum(t.element_size() * t.nelement() for t in _tensors_in(output))
-
-
-def register_activation_size_hooks(model: nn.Module) -> tuple[list, list[tuple[str, str, int]]]:
-    """Forward hooks recording each module's output bytes; returns (handles, report).
-
-    ``report`` fills with (qualified name, class name, bytes) as forwards run.
-    Remove the hooks with ``for h in handles: h.remove()``.
-    """
-    report: list[tuple[str, str, int]] = []
-    handles = []
-    for name, module in model.named_modules():
-
-        def hook(mod, inputs, output, name=name):
-            report.append((name or "(root)", mod.__class__.__name__, _output_bytes(output)))
-
-        handles.append(module.register_forward_hook(hook))
-    return handles, report
-
-
-def activation_sizes(model: nn.Module, *inputs: Any, **kwargs: Any) -> list[tuple[str, str, int]]:
-    """Run ``model(*inputs, **kwargs)`` once (no grad) and return each module's output bytes, in call order.
-
-    The source's hook did ``output.element_size() * output.nelement()``, which
-    raises AttributeError on a module returning a tuple (attention blocks,
-    RNNs, Hugging Face layers).  This one sums every tensor inside the output.
-    """
-    handles, report = register_activation_size_hooks(model)
-    try:
-        with torch.no_grad():
-            model(*inputs, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return report
