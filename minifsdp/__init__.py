@@ -1,14 +1,41 @@
 """minifsdp: Fully Sharded Data Parallel from scratch, proven against torch.
 
-Chapters and the modules that build them:
+Chapters and the modules that build them (a later chapter's module may import
+an earlier one's, never the reverse):
 
-    1    launch.py       local ranks (real processes on gloo)
-    1    ddp.py          DataParallel and DistributedDataParallel from scratch
-    2.2  collectives.py  naive and ring all-reduce, ring reduce-scatter / all-gather
-         models.py       the tiny GPT and the MLP every chapter trains
+    1    launch.py          local ranks: real processes on gloo, failures surfaced
+    1    notebook.py        %%ranks: a notebook cell run on N real processes
+    1    data_parallel.py   torch.nn.DataParallel's recipe, by hand (and its bottleneck)
+    1    buckets.py, ddp.py DistributedDataParallel from scratch
+    2.2  ring.py, collectives.py, comm_stream.py, ring_sim.py
+                            naive and ring all-reduce, ring reduce-scatter / all-gather
+    2.1  flat_param.py      flatten, pad, shard, unflatten views
+    2    sharding.py, fsdp*.py, wrap.py
+                            the FSDP unit, sharding strategies, auto-wrap policies
+    2.3  memory.py, zero_formulas.py, activation_sizes.py
+                            bytes per rank, measured from tensors; the ZeRO formulas
+         models.py          the tiny GPT and the MLP every chapter trains
 """
 
+from minifsdp.buckets import assign_buckets
+from minifsdp.data_parallel import DataParallel
+from minifsdp.ddp import DDP, DistributedDataParallel
+from minifsdp.flat_param import FlatParamLayout, build_layout, flatten, shard, unflatten
+from minifsdp.fsdp import FSDP, FullyShardedDataParallel
 from minifsdp.launch import RankFailedError, spawn
+from minifsdp.memory import MemoryTracker, snapshot
+from minifsdp.models import MLP, CharCorpus, GPTConfig, TinyGPT
+from minifsdp.sharding import ShardingStrategy, hybrid_groups
+from minifsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from minifsdp.zero_formulas import model_state_bytes
 
-__all__ = ["spawn", "RankFailedError"]
+__all__ = [
+    "spawn", "RankFailedError",
+    "DataParallel", "DistributedDataParallel", "DDP", "assign_buckets",
+    "FullyShardedDataParallel", "FSDP", "ShardingStrategy", "hybrid_groups",
+    "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+    "FlatParamLayout", "build_layout", "flatten", "shard", "unflatten",
+    "MemoryTracker", "snapshot", "model_state_bytes",
+    "TinyGPT", "GPTConfig", "MLP", "CharCorpus",
+]
 __version__ = "0.1.0"
