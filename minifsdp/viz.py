@@ -215,6 +215,9 @@ def plot_losses(curves: Mapping[str, Sequence[float]], ax=None, title: str = "tr
     styles = ["-", "--", ":", "-."]
     for i, (name, values) in enumerate(curves.items()):
         ax.plot(range(len(values)), list(values), styles[i % len(styles)], label=name, lw=1.5)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=10)
