@@ -29,6 +29,10 @@ Note (send and receive at once): in every step each rank posts ``isend`` to
 the next rank *and* ``irecv`` from the previous one before waiting on either.
 With blocking ``send`` then ``recv`` every rank would wait in ``send`` for a
 receiver that is itself sending: the ring would deadlock (or serialise).
+The loops go one better and post receives *early* (all of them for the
+all-gather, the next one for the reduce-scatter), so data can land while this
+rank is still adding; each wait put to sleep and woken again costs time on a
+busy machine.
 
 Note (same shapes everywhere): before moving data, ranks run a tiny ring
 all-gather of a header (collective, element count, dtype, op) and compare;
@@ -107,6 +111,16 @@ def active_stats() -> tuple[ByteStats, ...]:
 
 
 # ----------------------------------------------------------------------------- the ring
+class _Nothing:
+    """Stands in for the handle of an empty message, which is never sent."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_NOTHING = _Nothing()
+
+
 class Ring:
     """This rank's seat in the ring of ``group``: its rank, neighbours, and byte counters."""
 
@@ -124,19 +138,28 @@ class Ring:
             self._global[group_rank] = dist.get_global_rank(self.group, group_rank)
         return self._global[group_rank]
 
+    def isend(self, tensor: torch.Tensor, to: int):
+        """Start sending ``tensor`` to group rank ``to``; returns something to ``.wait()`` on."""
+        for s in self.stats:
+            s.sent += tensor.numel() * tensor.element_size()
+            s.messages += bool(tensor.numel())
+        if not tensor.numel():  # both ends know every chunk size, so both skip empty messages
+            return _NOTHING
+        return dist.isend(tensor, self.global_rank(to), group=self.group)
+
+    def irecv(self, tensor: torch.Tensor, source: int):
+        """Start receiving into ``tensor`` from group rank ``source``; returns something to ``.wait()`` on."""
+        for s in self.stats:
+            s.received += tensor.numel() * tensor.element_size()
+        if not tensor.numel():
+            return _NOTHING
+        return dist.irecv(tensor, self.global_rank(source), group=self.group)
+
     def exchange(self, send: torch.Tensor, send_to: int, recv: torch.Tensor, recv_from: int) -> None:
         """Send ``send`` to group rank ``send_to`` while receiving ``recv`` from ``recv_from``; wait for both."""
-        works = []
-        if send.numel():  # both ends know the chunk sizes, so both skip empty messages
-            works.append(dist.isend(send, self.global_rank(send_to), group=self.group))
-        if recv.numel():
-            works.append(dist.irecv(recv, self.global_rank(recv_from), group=self.group))
-        for work in works:
-            work.wait()
-        for s in self.stats:
-            s.sent += send.numel() * send.element_size()
-            s.received += recv.numel() * recv.element_size()
-            s.messages += bool(send.numel())
+        sending, receiving = self.isend(send, send_to), self.irecv(recv, recv_from)
+        sending.wait()
+        receiving.wait()
 
     def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A reusable buffer of ``numel`` elements (dtype/device of ``like``) to receive into.
@@ -157,23 +180,59 @@ class Ring:
 
 
 def all_gather_in_place(ring: Ring, flat: torch.Tensor, bounds) -> None:
-    """Ring all-gather on ``flat``: rank r's chunk r is already in place; afterwards every chunk is."""
+    """Ring all-gather on ``flat``: rank r's chunk r is already in place; afterwards every chunk is.
+
+    Every chunk received lands in its own place in ``flat``, so all N-1 receives are posted
+    up front; then each step forwards the chunk that arrived in the step before.
+    """
     n, r = ring.size, ring.rank
+
+    def chunk(c: int) -> torch.Tensor:
+        return flat[slice(*bounds[c])]
+
+    prev, next = r - 1, r + 1
+    receiving = [ring.irecv(chunk(all_gather_chunks(r, n, s)[1]), prev) for s in range(n - 1)]
+    sending = []
     for s in range(n - 1):
-        send_c, recv_c = all_gather_chunks(r, n, s)
-        ring.step(flat[slice(*bounds[send_c])], flat[slice(*bounds[recv_c])])
+        if s > 0:
+            receiving[s - 1].wait()  # the chunk to forward now is the one received at step s-1
+        sending.append(ring.isend(chunk(all_gather_chunks(r, n, s)[0]), next))
+    for work in receiving[-1:] + sending:
+        work.wait()
 
 
 def reduce_scatter_in_place(ring: Ring, flat: torch.Tensor, bounds) -> None:
-    """Ring reduce-scatter on ``flat``: afterwards chunk r of rank r holds the sum over ranks."""
+    """Ring reduce-scatter on ``flat``: afterwards chunk r of rank r holds the sum over ranks.
+
+    Receives go to two scratch halves used in turn, so the receive of step s+1 is already
+    posted while we add the chunk of step s; that sum is what we send at step s+1.
+    """
     n, r = ring.size, ring.rank
-    scratch = ring.scratch(bounds[0][1] - bounds[0][0], flat)
+    if n == 1:
+        return
+    width = bounds[0][1] - bounds[0][0]  # chunk 0 is never shorter than the others
+    scratch = ring.scratch(2 * width, flat)
+    inbox = [scratch[:width], scratch[width:]]
+
+    def chunk(c: int) -> torch.Tensor:
+        return flat[slice(*bounds[c])]
+
+    def post_receive(s: int):
+        size = chunk(reduce_scatter_chunks(r, n, s)[1]).numel()
+        return ring.irecv(inbox[s % 2][:size], r - 1)
+
+    receiving = post_receive(0)
+    sending = ring.isend(chunk(reduce_scatter_chunks(r, n, 0)[0]), r + 1)
     for s in range(n - 1):
-        send_c, recv_c = reduce_scatter_chunks(r, n, s)
-        into = flat[slice(*bounds[recv_c])]
-        received = scratch[: into.numel()]
-        ring.step(flat[slice(*bounds[send_c])], received)
-        into.add_(received)
+        recv_c = reduce_scatter_chunks(r, n, s)[1]
+        receiving.wait()
+        if s + 1 < n - 1:  # the other half is free again: its data was added at step s-1
+            receiving = post_receive(s + 1)
+        into = chunk(recv_c)
+        into.add_(inbox[s % 2][: into.numel()])
+        sending.wait()
+        if s + 1 < n - 1:
+            sending = ring.isend(into, r + 1)  # step s+1 forwards the chunk we just added into
 
 
 def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra: int = 0) -> None:
