@@ -1,0 +1,190 @@
+"""Pieces: the one idea that makes a sharded checkpoint loadable at any world size.
+
+A flat shard is a slice of *numbers*, not of tensors (``flat_param.py``).  So we
+never save "rank 1's flat_param"; we save, for every original parameter, the
+range of its own flattened numbers that this rank holds:
+
+    unit (blocks.0), 2 ranks:   flat = [ w (6 numbers) | b (2) | pad (0) ]
+      rank 0 shard [0, 4):   w[0:4]
+      rank 1 shard [4, 8):   w[4:6], b[0:2]
+
+    rank 0 file:  {"w": w[0:4]}            manifest: rank0 pieces w -> [0, 4)
+    rank 1 file:  {"w": w[4:6], "b": b}    manifest: rank1 pieces w -> [4, 6), b -> [0, 2)
+
+Loading at another layout (3 ranks, another strategy, ``use_orig_params``, or the
+plain model) asks, for each range it now holds, which saved pieces overlap it,
+and copies the intersections.  No communication at all: every rank reads what
+it needs.  The optimizer's state tensors (AdamW's ``exp_avg``, ``exp_avg_sq``,
+SGD's ``momentum_buffer``) have the shape of the tensor they step, the flat
+shard, so the *same* pieces map them; scalars (``step``) are copied per parameter.
+
+A *holder* is a tensor the optimizer steps: a unit's ``flat_param``, an original
+parameter (``use_orig_params=True``), or a parameter of a plain module.
+
+Note (replicas write once): under NO_SHARD every rank holds the whole unit and
+under HYBRID_SHARD each shard group is a replica; only global rank 0 (NO_SHARD)
+or the ranks of the first replica (HYBRID) write, so no number is saved twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minifsdp.fsdp_api import clean_name
+
+__all__ = ["Piece", "Holder", "holders", "param_specs", "persistent_buffers", "PieceReader"]
+
+
+@dataclass
+class Piece:
+    """Numbers ``[lo, hi)`` of parameter ``fqn`` (flattened) live at ``[src_lo, src_hi)`` of the holder."""
+
+    fqn: str
+    lo: int
+    hi: int
+    src_lo: int
+    src_hi: int
+
+
+@dataclass
+class Holder:
+    tensor: torch.Tensor  # what the optimizer steps
+    pieces: list[Piece]
+    writes: bool  # does this rank write these pieces in a sharded save (replicas: see Note)
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), clean_name(n))
+    return names
+
+
+def _key(names, module, attr) -> str:
+    return f"{names[id(module)]}.{attr}" if names[id(module)] else attr
+
+
+def _units(model):
+    from minifsdp.fsdp import FullyShardedDataParallel
+
+    return [m for m in model.modules() if isinstance(m, FullyShardedDataParallel) and m.flat_param is not None]
+
+
+def _first_replica(unit) -> bool:
+    h = unit._handle
+    if not h.sharded:
+        return not dist.is_initialized() or dist.get_rank() == 0
+    return h.groups.replicate is None or dist.get_rank(h.groups.replicate) == 0
+
+
+def holders(model: nn.Module) -> list[Holder]:
+    """Every tensor the optimizer may step, with the pieces of original parameters it holds."""
+    names, out, managed = _module_names(model), [], set()
+    for unit in _units(model):
+        h = unit._handle
+        layout = h.layout
+        start = layout.shard_range(h.rank)[0] if h.sharded else 0
+        writes = _first_replica(unit)
+        flat_pieces = []
+        for slot, (lo, hi) in zip(layout.slots, h.local_pieces()):
+            managed.add(id(slot.param))
+            if hi <= lo:
+                continue
+            fqn = _key(names, slot.module, slot.name)
+            p_lo = lo + start - slot.offset
+            flat_pieces.append(Piece(fqn, p_lo, p_lo + hi - lo, lo, hi))
+            if h.use_orig_params:  # the optimizer steps slot.param: a 1-D piece (sharded) or the whole
+                out.append(Holder(slot.param, [Piece(fqn, p_lo, p_lo + hi - lo, 0, hi - lo)], writes))
+        if not h.use_orig_params:
+            out.append(Holder(h.flat_param, flat_pieces, writes))
+    for name, p in model.named_parameters():
+        if id(p) not in managed and not getattr(p, "_minifsdp_flat", False):
+            out.append(Holder(p, [Piece(clean_name(name), 0, p.numel(), 0, p.numel())], True))
+    return out
+
+
+def param_specs(model: nn.Module) -> tuple[dict[str, dict], dict[str, str]]:
+    """({fqn: {shape, dtype}} of every parameter stored once, {tied alias: owner fqn})."""
+    names, specs, tied = _module_names(model), {}, {}
+    units = _units(model)
+    for unit in units:
+        layout = unit._handle.layout
+        for slot in layout.slots:
+            specs[_key(names, slot.module, slot.name)] = {"shape": list(slot.shape),
+                                                          "dtype": str(unit.flat_param.dtype)}
+        for sh in layout.shared:
+            owner = layout.slots[sh.primary]
+            tied[_key(names, sh.module, sh.name)] = _key(names, owner.module, owner.name)
+    if not units:
+        seen: dict[int, str] = {}
+        for mod in model.modules():
+            for attr, p in mod._parameters.items():
+                if p is None:
+                    continue
+                fqn = _key(names, mod, attr)
+                if id(p) in seen:
+                    tied[fqn] = seen[id(p)]
+                else:
+                    seen[id(p)] = fqn
+                    specs[fqn] = {"shape": list(p.shape), "dtype": str(p.dtype)}
+    return specs, tied
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    names, out = _module_names(model), {}
+    for m in model.modules():
+        for b_name, b in m._buffers.items():
+            if b is not None and b_name not in m._non_persistent_buffers_set:
+                out[_key(names, m, b_name)] = b
+    return out
+
+
+class PieceReader:
+    """Fill any range of any parameter (or of its optimizer state) from saved pieces.
+
+    ``index``: {file name: {fqn: [lo, hi]}} from the manifest; ``open_file(name)``
+    returns that file's loaded dict (cached by the caller).
+    """
+
+    def __init__(self, index: dict[str, dict[str, list[int]]], open_file):
+        self.index, self.open_file = index, open_file
+
+    def _overlaps(self, fqn: str, lo: int, hi: int):
+        for fname, pieces in self.index.items():
+            if fqn in pieces:
+                s_lo, s_hi = pieces[fqn]
+                a, b = max(lo, s_lo), min(hi, s_hi)
+                if a < b:
+                    yield fname, s_lo, a, b
+
+    def fill(self, dst: torch.Tensor, fqn: str, lo: int, hi: int, pick) -> bool:
+        """Copy numbers [lo, hi) of ``pick(file_dict, fqn)`` (a saved piece) into 1-D ``dst``.
+
+        Returns False if the checkpoint holds nothing for it (e.g. no optimizer state);
+        raises if it holds only part of it.
+        """
+        covered = 0
+        for fname, s_lo, a, b in self._overlaps(fqn, lo, hi):
+            src = pick(self.open_file(fname), fqn)
+            if src is None:
+                continue
+            dst[a - lo : b - lo].copy_(src.reshape(-1)[a - s_lo : b - s_lo])
+            covered += b - a
+        if covered == 0:
+            return False
+        if covered != hi - lo:
+            raise RuntimeError(f"the checkpoint covers only {covered} of the {hi - lo} numbers [{lo}, {hi}) of {fqn}")
+        return True
+
+    def scalar(self, fqn: str, pick):
+        """The first saved value ``pick(file_dict, fqn)`` that is not None (optimizer scalars)."""
+        for fname, pieces in self.index.items():
+            if fqn in pieces:
+                v = pick(self.open_file(fname), fqn)
+                if v is not None:
+                    return v
+        return None

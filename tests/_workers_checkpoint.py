@@ -1,0 +1,244 @@
+"""Rank functions for the checkpoint tests: one spawn at 2 ranks, one at 4, many checks in each.
+
+Every check returns a small record; the test asserts on it, so a failing check
+names itself.  Oracles: torch FSDP1 (its full state dict and its
+``FSDP.optim_state_dict``, bitwise: our training is bitwise torch FSDP1's), torch
+FSDP2 with torch.distributed.checkpoint, the plain model, and the run that never stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+from minifsdp import checkpoint, resume
+from minifsdp.checkpoint_dcp import load_dcp, save_dcp
+from minifsdp.checkpoint_io import rank_file
+from minifsdp.fsdp import FSDP, ShardingStrategy
+from minifsdp.models import Block, CharCorpus, TinyGPT
+from minifsdp.sharding import hybrid_groups
+from minifsdp.wrap import transformer_auto_wrap_policy
+
+_CORPUS = []
+
+
+def gpt_batch(step, rank, world):
+    if not _CORPUS:
+        _CORPUS.append(CharCorpus())
+    return _CORPUS[0].batch(step, 2, 16, rank, world)
+
+
+def ours(seed=0, group=None, strategy=ShardingStrategy.FULL_SHARD, use_orig_params=False):
+    return FSDP(TinyGPT(seed=seed), process_group=group, sharding_strategy=strategy, use_orig_params=use_orig_params,
+                auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+
+
+def theirs(seed=0):
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
+
+    policy = functools.partial(torch_policy, transformer_layer_cls={Block})
+    return TorchFSDP(TinyGPT(seed=seed), auto_wrap_policy=policy, device_id=torch.device("cpu"))
+
+
+def make_opt(name, model):
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def step(model, opt, i, noise=False):
+    """One training step on batch i; with noise, the input also depends on the global torch RNG."""
+    rank, world = dist.get_rank(model_group(model)), dist.get_world_size(model_group(model))
+    x, y = gpt_batch(i, rank, world)
+    if noise:  # the RNG decides which positions are masked: a resume must restore it
+        x = torch.where(torch.rand(x.shape) < 0.1, torch.zeros_like(x), x)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def model_group(model):
+    groups = getattr(model, "groups", None)
+    return groups.shard if groups is not None and groups.replicate is None else None
+
+
+def same(a: dict, b: dict) -> list[str]:
+    """Names whose tensors differ (bitwise), or are missing on one side."""
+    bad = [k for k in a if k not in b or not torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))]
+    return bad + [k for k in b if k not in a]
+
+
+def same_optim(a: dict, b: dict) -> list[str]:
+    bad = []
+    for fqn in set(a["state"]) | set(b["state"]):
+        sa, sb = a["state"].get(fqn, {}), b["state"].get(fqn, {})
+        bad += [f"{fqn}.{k}" for k in set(sa) | set(sb) if k not in sa or k not in sb
+                or not torch.equal(torch.as_tensor(sa[k]).float(), torch.as_tensor(sb[k]).float())]
+    return bad
+
+
+def two_rank_worker(tmp: str) -> dict:
+    """State dicts vs torch FSDP1, save/load, resume, errors, DCP vs torch FSDP2, timings."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    rank, out = dist.get_rank(), {}
+    # --- 1. full state dicts and full optimizer state vs torch FSDP1 (AdamW and SGD momentum)
+    for opt_name in ("adamw", "sgd"):
+        a, b = ours(), theirs()
+        oa, ob = make_opt(opt_name, a), make_opt(opt_name, b)
+        for i in range(2):
+            step(a, oa, i), step(b, ob, i)
+        ours_sd, torch_sd = checkpoint.full_state_dict(a), b.state_dict()
+        out[f"{opt_name} full sd vs torch"] = same(ours_sd, torch_sd)
+        ours_osd = checkpoint.full_optim_state_dict(a, oa, rank0_only=False)
+        torch_osd = TorchFSDP.optim_state_dict(b, ob)
+        out[f"{opt_name} full optim vs torch"] = same_optim(ours_osd, torch_osd)
+        out[f"{opt_name} optim keys"] = sorted(next(iter(ours_osd["state"].values())))
+        # torch's full state (model + optimizer) into a fresh ours; ours into a fresh torch FSDP1 and the plain model
+        c = ours(seed=5)
+        oc = make_opt(opt_name, c)
+        c.load_state_dict(torch_sd)
+        checkpoint.load_full_optim_state_dict(c, oc, torch_osd)
+        d = theirs(seed=5)
+        d.load_state_dict(ours_sd)
+        plain = TinyGPT(seed=5)
+        plain.load_state_dict(ours_sd)
+        out[f"{opt_name} ours -> torch FSDP1 -> back"] = same(ours_sd, d.state_dict())
+        out[f"{opt_name} ours -> plain"] = same(ours_sd, plain.state_dict())
+        # continue: the loaded copy must take the same next step as the original (optimizer state included)
+        step(a, oa, 2), step(c, oc, 2)
+        out[f"{opt_name} torch state -> ours, next step"] = same(checkpoint.full_state_dict(a),
+                                                                 checkpoint.full_state_dict(c))
+    # --- 2. sharded and full checkpoints: save, load into a fresh model, continue bitwise; sizes and times
+    a = ours()
+    oa = make_opt("adamw", a)
+    for i in range(2):
+        step(a, oa, i)
+    for kind in ("sharded", "full"):
+        path = os.path.join(tmp, kind)
+        dist.barrier()
+        t0 = time.perf_counter()
+        checkpoint.save(path, a, oa, extra={"rank": rank}, full=kind == "full")
+        t_save = time.perf_counter() - t0
+        c = ours(seed=7)
+        oc = make_opt("adamw", c)
+        oc.param_groups[0]["lr"] = 123.0  # hyperparameters come back from the checkpoint
+        t0 = time.perf_counter()
+        extra = checkpoint.load(path, c, oc)
+        t_load = time.perf_counter() - t0
+        mine = rank_file(rank) if kind == "sharded" else checkpoint.FULL_FILE
+        files = checkpoint.read_manifest(path)["files"]
+        out[f"{kind} numbers"] = dict(save_s=t_save, load_s=t_load, extra=extra,
+                                      file_bytes={n: f["bytes"] for n, f in files.items()},
+                                      my_file_bytes=files[mine]["bytes"] if mine in files and (
+                                          kind == "sharded" or rank == 0) else 0)
+        out[f"{kind} lr restored"] = oc.param_groups[0]["lr"]
+        out[f"{kind} load equal"] = same(checkpoint.full_state_dict(a), checkpoint.full_state_dict(c))
+        e = ours(seed=9)
+        oe = make_opt("adamw", e)
+        checkpoint.load(path, e, oe)
+        step(e, oe, 2), step(c, oc, 2)
+        out[f"{kind} two loads continue equal"] = same(checkpoint.full_state_dict(e), checkpoint.full_state_dict(c))
+    # --- 3. resume: stop at step 3, load into fresh objects, finish: bitwise the run that never stopped
+    out["resume"] = resume_check(os.path.join(tmp, "resume"))
+    # --- 4. errors on 2 ranks: a missing rank file, a world size without reshard
+    out["errors"] = error_checks(os.path.join(tmp, "sharded"), tmp)
+    # --- 5. DCP: torch FSDP2 writes, we read; we write, torch FSDP2 reads
+    out["dcp"] = dcp_check(os.path.join(tmp, "dcp"))
+    return out
+
+
+def resume_check(root: str) -> dict:
+    torch.manual_seed(100 + dist.get_rank())
+    a = ours()
+    oa = make_opt("adamw", a)
+    straight = [step(a, oa, i, noise=True) for i in range(6)]
+    final = checkpoint.full_state_dict(a)
+
+    torch.manual_seed(100 + dist.get_rank())
+    b = ours()
+    ob = make_opt("adamw", b)
+    mgr = checkpoint.CheckpointManager(root, keep=2)
+    first = []
+    for i in range(3):
+        first.append(step(b, ob, i, noise=True))
+        mgr.save(i + 1, b, ob, extra={"step": i + 1, "rng": resume.capture_rng()})
+    kept = mgr.steps()
+    torch.manual_seed(999)  # the "new process": different RNG, different init
+    c = ours(seed=3)
+    oc = make_opt("adamw", c)
+    extra = mgr.load_latest(c, oc)
+    resume.restore_rng(extra["rng"])
+    second = [step(c, oc, i, noise=True) for i in range(extra["step"], 6)]
+    return dict(kept=kept, losses_equal=straight == first + second,
+                params_diff=same(final, checkpoint.full_state_dict(c)))
+
+
+def error_checks(good: str, tmp: str) -> dict:
+    res = {}
+    model = ours()
+    bad = os.path.join(tmp, "missing_rank")
+    if dist.get_rank() == 0:
+        shutil.copytree(good, bad)
+        os.remove(os.path.join(bad, "rank00001.pt"))
+    dist.barrier()
+    try:
+        checkpoint.load(bad, model)
+        res["missing"] = "no error"
+    except checkpoint.CheckpointError as e:
+        res["missing"] = str(e)
+    return res
+
+
+def dcp_check(root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def fsdp2(seed):
+        m = TinyGPT(seed=seed)
+        for blk in m.blocks:
+            fully_shard(blk)
+        fully_shard(m)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def full_of(m):
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                for k, v in m.state_dict().items()}
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m, o = fsdp2(0)
+    for i in range(2):
+        x, y = gpt_batch(i, rank, world)
+        m(x, y).backward()
+        o.step()
+        o.zero_grad()
+    msd, osd = get_state_dict(m, o)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "torch"))
+    a = ours(seed=4)
+    oa = make_opt("adamw", a)
+    load_dcp(os.path.join(root, "torch"), a, oa)
+    res = {"fsdp2 -> ours": same(full_of(m), checkpoint.full_state_dict(a))}
+    # the next step from the same state: FSDP2 shards rows, we shard flat numbers, yet each gradient number is
+    # the same two-term sum and AdamW is elementwise, so the step is bitwise the same (measured)
+    x, y = gpt_batch(2, rank, world)
+    m(x, y).backward()
+    o.step()
+    step(a, oa, 2)
+    res["next step"] = same(full_of(m), checkpoint.full_state_dict(a))
+    save_dcp(os.path.join(root, "ours"), a, oa)
+    m2, o2 = fsdp2(8)
+    msd2, osd2 = get_state_dict(m2, o2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=os.path.join(root, "ours"))
+    set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    res["ours -> fsdp2"] = same(checkpoint.full_state_dict(a), full_of(m2))
+    return res
