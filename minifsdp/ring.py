@@ -30,9 +30,10 @@ the next rank *and* ``irecv`` from the previous one before waiting on either.
 With blocking ``send`` then ``recv`` every rank would wait in ``send`` for a
 receiver that is itself sending: the ring would deadlock (or serialise).
 The loops go one better and post receives *early* (all of them for the
-all-gather, the next one for the reduce-scatter), so data can land while this
-rank is still adding; each wait put to sleep and woken again costs time on a
-busy machine.
+all-gather, the next one for the reduce-scatter).  Why it matters: gloo's
+send/recv over TCP is a rendezvous -- a send whose receive is not posted yet
+only announces itself ("send ready"), and the bytes leave after the receiver
+answers "recv ready".  A receive posted early turns that into one trip.
 
 Note (same shapes everywhere): before moving data, every rank sends a tiny
 header (collective, element count, dtype, op) to every other rank and compares;
