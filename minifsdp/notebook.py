@@ -101,10 +101,15 @@ class _CellFailed(Exception):
     """Raised inside a rank; its message carries the report between markers."""
 
 
-def _run_cell(source: str, pushed_blob: bytes) -> tuple[str, Any]:
+def _run_cell(source: str, pushed_blob: bytes) -> bytes:
     """Body of every rank (module level, so ``spawn`` can pickle it by reference).
 
-    Runs ``source`` in a fresh namespace and returns (captured output, ``result``).
+    Runs ``source`` in a fresh namespace and returns ``pickle.dumps((captured output, result))``.
+
+    Note (why bytes): a tensor put on a torch.multiprocessing queue travels as a
+    shared-memory file descriptor that the *sending* process must still serve
+    when the parent unpickles it; a rank that has already exited cannot
+    ("Connection reset by peer").  Plain pickle bytes carry the values themselves.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     namespace: dict[str, Any] = {
@@ -132,13 +137,12 @@ def _run_cell(source: str, pushed_blob: bytes) -> tuple[str, Any]:
         raise _CellFailed(f"{_REPORT_START}\n{report}{_REPORT_END}\n{summary}") from None
     result = namespace.get("result")
     try:
-        pickle.dumps(result)
+        return pickle.dumps((buffer.getvalue(), result))
     except Exception as exc:
         raise TypeError(
             f"rank {rank}: the cell's `result` ({type(result).__name__}) cannot be sent back to the notebook "
             f"({exc}); set `result` to tensors, numbers, strings, lists or dicts of those."
         ) from None
-    return buffer.getvalue(), result
 
 
 def _pickle_pushed(pushed: dict[str, Any] | None) -> bytes:
@@ -198,7 +202,7 @@ def run_on_ranks(
         if _REPORT_START in err.detail:
             raise RankCellError(err.rank, _extract_report(err.detail)) from None
         raise
-    return [RankRun(rank=r, output=out, result=res) for r, (out, res) in enumerate(runs)]
+    return [RankRun(r, *pickle.loads(blob)) for r, blob in enumerate(runs)]
 
 
 def format_outputs(runs: Iterable[RankRun]) -> str:
