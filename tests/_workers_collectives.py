@@ -45,7 +45,7 @@ def _check_exact(fails, groups):
     me = dist.get_rank()
     for members, g in groups:
         k = len(members)
-        for numel in sorted({0, 1, k - 1, k + 1, 2 * k + 3, 1000}):
+        for numel in sorted({0, k - 1, 2 * k + 3, 1000}):  # empty, fewer than N, uneven, bigger
             for dtype in DTYPES:
                 where = f"N={k} members={members} numel={numel} {dtype}"
                 exact = _exact_sum(members, numel, dtype)
