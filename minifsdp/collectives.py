@@ -12,10 +12,15 @@ make every rank hold the sum".  This module builds it twice, from nothing but
   same for 2 ranks or 2000 (the bandwidth-optimal algorithm; its *latency*,
   2(N-1) steps, does grow with N).
 
-How the ring steps go, the chunking rule for sizes that N does not divide, and
-why every rank sends and receives at once: see :mod:`minifsdp.ring`, where the
-loops live.  Before moving data the ranks check they all called the same
-collective on same-sized tensors (every rank raises, nothing hangs).
+How the ring steps go (ASCII picture), the chunking rule for sizes that N does
+not divide (S elements -> N chunks, the first S % N one element longer), and why
+every rank sends and receives at once: see :mod:`minifsdp.ring`, where the
+loops live.  Uneven sizes: rank r never sends chunk r in the reduce-scatter nor
+chunk r+1 in the all-gather, so it sends 2S - |c_r| - |c_r+1| elements, between
+2(N-1) x floor(S/N) and 2(N-1) x ceil(S/N); exactly 2(N-1)/N x S when N divides S.
+
+Before moving data the ranks check they all called the same collective on
+same-sized tensors (if not, every rank raises; nothing hangs).
 
 Note (precision): sums are accumulated in the tensor's own dtype, chunk by
 chunk in ring order.  gloo adds in another order, so for fp16/bf16 (and fp32
@@ -23,6 +28,12 @@ on random data) at N > 2 results can differ from ``dist.all_reduce`` in the
 last bits; integers and exactly representable values match bitwise.
 ``op="avg"`` is the sum divided by N once, on the owner's chunk; for int64 it
 raises (floor or round?  say what you mean: sum, then divide yourself).
+
+Async, like torch: ``async_op=True`` returns a :class:`Work` with ``wait()`` and
+``is_completed()``; the ring then runs on the process group's one background
+thread (:mod:`minifsdp.comm_stream`), collectives in the order they were
+issued, while the caller keeps computing.  Do not touch the tensor before
+``wait()``.  Synchronous calls queue on the same thread and wait.
 
 Ours or torch's: :func:`get_collectives` gives other modules one interface,
 ``get_collectives("ring")`` (these functions) or ``get_collectives("torch")``
@@ -59,6 +70,7 @@ __all__ = [
     "naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
     "chunk_bounds", "count_bytes", "ByteStats", "get_collectives", "Work",
 ]
+
 
 # ----------------------------------------------------------------------------- checks
 def _check_ready(name: str, group, tensors: dict[str, torch.Tensor], op=None) -> tuple[object, str]:
@@ -123,7 +135,7 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
     """In place: every rank's ``tensor`` becomes the sum (or mean) over ranks.  Any shape, any size.
 
     A ring reduce-scatter then a ring all-gather over the chunks of ``tensor.view(-1)``
-    (see the module docstring).  Returns a :class:`Work` if ``async_op`` else None.
+    (the picture is in :mod:`minifsdp.ring`).  Returns a :class:`Work` if ``async_op`` else None.
     """
     group, op = _check_ready("ring_all_reduce", group, {"tensor": tensor}, op)
 
