@@ -49,6 +49,11 @@ def _unit_numels(wrapped) -> list[tuple[int, int]]:
     """(unpadded, padded) unsharded numel of each FSDP1 unit's flat parameter, root first (pre-order)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    from minifsdp.fsdp import FullyShardedDataParallel as Ours
+
+    if isinstance(wrapped, Ours):  # ours: the same numbers, from each unit's layout
+        return [(u._handle.layout.numel, u._handle.layout.padded_numel)
+                for u in wrapped.modules() if isinstance(u, Ours) and u._handle is not None]
     out = []
     for unit in FullyShardedDataParallel.fsdp_modules(wrapped):
         fp = unit._handle.flat_param
@@ -85,7 +90,7 @@ def measure_setups(kinds, track_storage_resize=True):
         results[name] = {
             "n_params": n_params,
             "n_tensors": n_tensors,
-            "units": _unit_numels(model) if kind in ("FULL_SHARD", "SHARD_GRAD_OP") else [],
+            "units": _unit_numels(model) if kind.removeprefix("OURS_") in ("FULL_SHARD", "SHARD_GRAD_OP") else [],
             "rest": at_rest_before,
             "peak": mt.peak_bytes,
             "peak_phase": mt.peak_phase,
