@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import signal
 import time
@@ -97,7 +98,10 @@ def _rank_main(rank, world_size, backend, host, port, timeout_s, fn, args, resul
             backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
         value = fn(*args)
-        results.put(("ok", rank, value))
+        # Plain pickle bytes, not the object: torch.multiprocessing would share a
+        # tensor through a file descriptor that dies with this process, so a rank
+        # that returns before the parent reads its result would lose it.
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put(("error", rank, traceback.format_exc()))
         return
@@ -207,7 +211,7 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             errors[rank] = payload
             _raise_root_cause(procs, results, values, errors)
         values[rank] = payload
-    return [values[r] for r in range(world_size)]
+    return [pickle.loads(values[r]) for r in range(world_size)]
 
 
 def _raise_root_cause(procs, results, values, errors) -> None:

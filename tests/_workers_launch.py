@@ -32,3 +32,7 @@ def wait_for_a_message_never_sent():
         t = torch.zeros(1)
         dist.recv(t, src=1)  # rank 1 never sends: the collective timeout must fire
     return "done"
+
+
+def return_a_tensor():
+    return torch.full((3,), float(dist.get_rank()))

@@ -46,3 +46,10 @@ def test_bad_world_size_is_refused(bad):
 def test_lambda_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="module level"):
         minifsdp.spawn(lambda: 1, world_size=1)
+
+
+def test_tensor_results_survive_the_rank_exiting():
+    import torch
+
+    out = minifsdp.spawn(w.return_a_tensor, world_size=2)
+    assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3] and all(isinstance(t, torch.Tensor) for t in out)
