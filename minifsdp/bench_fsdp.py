@@ -15,7 +15,9 @@ rotates every repeat, so none is always first), each step timed as
     barrier -> t0 -> zero_grad, forward, backward, optimizer.step -> t1
     time = max over ranks of (t1 - t0)          (the step is done when the slowest rank is)
 
-and we keep the median of ``--steps`` repeats.  Peak memory: one more step per
+and we keep the median of ``--steps`` repeats.  The CPU time of the step
+(``time.process_time``, all threads of the rank, max over ranks) is kept too:
+on a machine shared with other work it is steadier than the wall clock.  Peak memory: one more step per
 trainer under :class:`minifsdp.memory.MemoryTracker` (tensor bytes per rank, the
 same tracker for all five; not timed, the tracker slows every op).
 
@@ -85,13 +87,14 @@ def _step(model, opt, x, y) -> None:
     opt.step()
 
 
-def _timed_step(model, opt, x, y) -> float:
+def _timed_step(model, opt, x, y) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one step, each the max over ranks."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     _step(model, opt, x, y)
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    elapsed = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    return elapsed[0].item(), elapsed[1].item()
 
 
 def bench_rank(config: str, names: list[str], batch_size: int, warmup: int, steps: int) -> dict:
@@ -106,13 +109,15 @@ def bench_rank(config: str, names: list[str], batch_size: int, warmup: int, step
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
     say(f"built {', '.join(names)}; warm-up ({warmup} step(s) each) ...")
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for i in range(warmup + steps):
         x, y = corpus.batch(i, batch_size, cfg.block_size, rank, world)
         order = names[i % len(names):] + names[: i % len(names)]  # rotate: nobody is always first
         for name in order:
-            seconds = _timed_step(models[name], opts[name], x, y)
+            seconds, cpu_seconds = _timed_step(models[name], opts[name], x, y)
             if i >= warmup:
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
         if i >= warmup:
             say(f"step {i - warmup + 1}/{steps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in names))
         else:
@@ -126,7 +131,7 @@ def bench_rank(config: str, names: list[str], batch_size: int, warmup: int, step
             _step(models[name], opts[name], x, y)
         memory[name] = {"peak_bytes": mt.peak_bytes, "model_state_bytes": rest["parameters"] + rest["gradients"]
                         + rest["optimizer_state"], "at_peak": mt.breakdown_at_peak}
-    return {"times": times, "memory": memory}
+    return {"times": times, "cpu": cpu, "memory": memory}
 
 
 def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
@@ -136,18 +141,21 @@ def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
     for name in names:
         peaks = [r["memory"][name]["peak_bytes"] for r in results]
         rows.append({"world_size": world, "trainer": name, "step_s": statistics.median(times[name]),
-                     "step_times_s": times[name], "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
+                     "step_times_s": times[name], "cpu_s": statistics.median(results[0]["cpu"][name]),
+                     "cpu_times_s": results[0]["cpu"][name], "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
                      "model_state_bytes": max(r["memory"][name]["model_state_bytes"] for r in results),
                      "at_peak_rank0": results[0]["memory"][name]["at_peak"]})
     ref = next((r for r in rows if r["trainer"] == REFERENCE), None)
     for r in rows:
         r["time_ratio"] = r["step_s"] / ref["step_s"] if ref else None
+        r["cpu_ratio"] = r["cpu_s"] / ref["cpu_s"] if ref else None
         r["peak_ratio"] = r["peak_bytes"] / ref["peak_bytes"] if ref else None
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'N':>2} {'trainer':<11} {'step ms':>9} {'x FSDP1':>8} {'peak MB':>9} {'x FSDP1':>8} {'state MB':>9}  aim"
+    head = (f"{'N':>2} {'trainer':<11} {'step ms':>9} {'x FSDP1':>8} {'cpu ms':>9} {'x FSDP1':>8} "
+            f"{'peak MB':>9} {'x FSDP1':>8} {'state MB':>9}  aim")
     lines = [head]
     for r in rows:
         aim = ""
@@ -158,6 +166,7 @@ def format_table(rows: list[dict]) -> str:
                    f"peak within 5%: {'ok' if ok_m else 'MISSED'}")
         ratio = lambda v: f"{v:>8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
         lines.append(f"{r['world_size']:>2} {r['trainer']:<11} {r['step_s'] * 1e3:>9.1f} {ratio(r['time_ratio'])} "
+                     f"{r['cpu_s'] * 1e3:>9.1f} {ratio(r['cpu_ratio'])} "
                      f"{r['peak_bytes'] / 2**20:>9.2f} {ratio(r['peak_ratio'])} "
                      f"{r['model_state_bytes'] / 2**20:>9.2f}  {aim}")
     return "\n".join(lines)
