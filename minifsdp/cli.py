@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("--out", default="out", help="folder for the loss-curve PNG")
 
     p_bench = sub.add_parser("bench", help="measure ours against torch in the same run")
-    p_bench.add_argument("what", choices=("collectives", "fsdp"))
+    p_bench.add_argument("what", choices=("collectives", "fsdp", "overlap", "precision"))
     p_bench.add_argument("--world-sizes", default="2,4")
     p_bench.add_argument("--max-mb", type=float, default=64.0, help="collectives: largest message")
     p_bench.add_argument("--json", default=None,
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--batch-size", type=int, default=8, help="fsdp: sequences per rank per step")
     p_bench.add_argument("--trainers", default="ours_torch,ours_ring,fsdp1,fsdp2,ddp",
                          help="fsdp: which of ours_torch,ours_ring,fsdp1,fsdp2,ddp (fsdp1 is the reference)")
+    p_bench.add_argument("--threads", type=int, default=1, help="overlap/precision: intra-op threads per rank")
+    p_bench.add_argument("--link-ms", type=float, default=0.0,
+                         help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
 
     args = parser.parse_args(argv)
     if args.command == "compare":
@@ -44,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
             from minifsdp.bench import run_collectives_bench
 
             return run_collectives_bench(args)
+        if args.what in ("overlap", "precision"):
+            from minifsdp.bench_overlap import run_bench
+
+            return run_bench(args)
         from minifsdp.bench_fsdp import run_fsdp_bench
 
         return run_fsdp_bench(args)

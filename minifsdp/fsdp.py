@@ -44,10 +44,13 @@ from minifsdp.fsdp_checks import (
     install_optimizer_check,
 )
 from minifsdp.fsdp_runtime import FlatParamHandle
+from minifsdp.mixed_precision import MixedPrecision, cast_floating
+from minifsdp.prefetch import BackwardPrefetch, ExecutionOrder, prefetch
 from minifsdp.sharding import RESHARD_AFTER_FORWARD, Comm, ShardingStrategy, resolve_groups
+from minifsdp.tracing import span as _span
 from minifsdp.wrap import recursive_wrap
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy"]
+__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision"]
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -64,11 +67,19 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: copy rank 0's parameters and buffers to every rank at wrap time.
         device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.
         collectives: ``"torch"`` (torch.distributed's) or ``"ring"`` (ours, ``minifsdp.collectives``).
+        mixed_precision: a :class:`~minifsdp.mixed_precision.MixedPrecision` (fp32 master shards,
+            compute in ``param_dtype``, reduce in ``reduce_dtype``), as torch FSDP1's.
+        backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (torch's default), ``BACKWARD_POST`` or None
+            (``prefetch.py``); forward_prefetch: prefetch in the forward too, in the first iteration's order;
+        limit_all_gathers: at most two non-root units' full parameters alive or in flight.
     """
 
     def __init__(self, module: nn.Module, process_group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
                  auto_wrap_policy=None, use_orig_params: bool = False, device_id=None,
-                 sync_module_states: bool = False, device_mesh=None, collectives: str = "torch"):
+                 sync_module_states: bool = False, device_mesh=None, collectives: str = "torch",
+                 mixed_precision: MixedPrecision | None = None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
@@ -85,10 +96,21 @@ class FullyShardedDataParallel(nn.Module):
         self.sharding_strategy = sharding_strategy
         self.use_orig_params = use_orig_params
         self.comm = Comm(collectives)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError("mixed_precision takes a minifsdp MixedPrecision(param_dtype=..., reduce_dtype=...), "
+                            f"got {type(mixed_precision).__name__} (there is no mixed_precision=True)")
+        self.mixed_precision = mixed_precision
+        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+            raise TypeError("backward_prefetch takes BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST "
+                            f"or None, got {backward_prefetch!r}")
+        self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
         if auto_wrap_policy is not None:
             kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy,
                           use_orig_params=use_orig_params, device_id=device_id,
-                          sync_module_states=sync_module_states, device_mesh=device_mesh, collectives=collectives)
+                          sync_module_states=sync_module_states, device_mesh=device_mesh, collectives=collectives,
+                          mixed_precision=mixed_precision, backward_prefetch=backward_prefetch,
+                          forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
             recursive_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **kwargs),
                            only_wrap_children=True)
         if device_id is not None:
@@ -103,7 +125,8 @@ class FullyShardedDataParallel(nn.Module):
             check_same_on_all_ranks(self.groups, module, params, buffers)
         self._handle = None
         if params:
-            self._handle = FlatParamHandle(module, params, self.groups, sharding_strategy, use_orig_params, self.comm)
+            self._handle = FlatParamHandle(module, params, self.groups, sharding_strategy, use_orig_params, self.comm,
+                                           mixed_precision)
             for slot in self._handle.layout.slots:
                 slot.param._minifsdp_owner = True
                 if not use_orig_params:
@@ -120,6 +143,9 @@ class FullyShardedDataParallel(nn.Module):
         self._units: list[FullyShardedDataParallel] = []
         self._sync_gradients = True
         self._pre_backward_done = False
+        self._expects_backward = False  # its outputs carry the pre-backward hook this step
+        self._order: ExecutionOrder | None = None  # the root's (prefetch.py)
+        self._tracer = None  # a tracing.Tracer while one is attached
         self._callback_queued = False
         self._pending_versions: list[int] | None = None
         if self._handle is not None and self._handle.unsharded.requires_grad:
@@ -168,15 +194,26 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         if self._is_root is None:
             self._lazy_init()
+        mp = self.mixed_precision
         if self._is_root:
             self._root_pre_forward()
-        h = self._handle
+            if mp is not None and mp.cast_root_forward_inputs:
+                args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+        if mp is not None and mp.cast_forward_inputs and self._handle is not None:
+            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+        h, root = self._handle, self._root
         if h is not None:
+            root._order.record_pre_forward(self)
             h.unshard()
+            if root.forward_prefetch:
+                prefetch(root, root._order.next_in_forward(self), in_backward=False)
             h.use_unsharded_views()
         try:
-            out = self._fsdp_wrapped_module(*args, **kwargs)
+            with _span(self._tracer, "forward", h.name if h is not None else "root"):
+                out = self._fsdp_wrapped_module(*args, **kwargs)
         finally:
+            if h is not None:
+                root._order.record_post_forward(self)
             if h is not None:
                 if not self._is_root and self.sharding_strategy in RESHARD_AFTER_FORWARD:
                     h.reshard()
@@ -186,6 +223,7 @@ class FullyShardedDataParallel(nn.Module):
             tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(self._pre_backward)
+            self._expects_backward = self._expects_backward or bool(tensors)
             if self._is_root and tensors:
                 self._pending_versions = self._root_versions()
         return out
@@ -193,7 +231,11 @@ class FullyShardedDataParallel(nn.Module):
     def _lazy_init(self) -> None:
         """The first unit to run forward is the root; every unit below learns who its root is."""
         self._is_root = True
+        self._order = ExecutionOrder()
         self._units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        for name, unit in self.named_modules():
+            if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None:
+                unit._handle.name = fsdp_api.clean_name(name) or "root"
         for unit in self._units:
             if unit is not self:
                 if unit._is_root:
@@ -201,6 +243,14 @@ class FullyShardedDataParallel(nn.Module):
                                        "call the outermost FSDP module")
                 unit._is_root = False
             unit.__dict__["_root"] = self  # a plain reference, not a registered submodule (no cycle)
+        for unit in reversed(self._units):  # innermost first: a buffer takes its owning unit's buffer_dtype
+            mp = unit.mixed_precision
+            if mp is None or mp.buffer_dtype is None:
+                continue
+            for m in unit.module.modules():
+                for name, b in m._buffers.items():
+                    if b is not None and b.is_floating_point() and b.dtype != mp.buffer_dtype:
+                        m._buffers[name] = b.to(mp.buffer_dtype)
 
     def _root_versions(self) -> list[int]:
         return [u._handle.flat_param._version for u in self._units if u._handle is not None]
@@ -229,20 +279,33 @@ class FullyShardedDataParallel(nn.Module):
         if not self._pre_backward_done and self._handle is not None:
             self._pre_backward_done = True
             self._handle.unshard()
+            if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                prefetch(root, root._order.next_in_backward(self), in_backward=True)
+            if self._handle.use_orig_params:  # a recompute (checkpointing.py) reads the parameters again
+                self._handle.use_unsharded_views()
             self._handle.prepare_gradient()
+            if self._tracer is not None:
+                self._tracer.open("backward", self._handle.name)
         return None
 
     def _post_backward(self) -> None:
-        h = self._handle
+        h, root = self._handle, self._root
+        if self._tracer is not None:
+            self._tracer.close("backward", h.name)
+        if h.use_orig_params:
+            h.use_sharded_views()
         if self._sync_gradients:
             h.start_reduce()
         if h.sharded and (self._sync_gradients or self.sharding_strategy in RESHARD_AFTER_FORWARD):
             h.reshard()
+        if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            prefetch(root, root._order.next_in_backward(self), in_backward=True)
 
     def _final_callback(self) -> None:
         """Runs once at the end of the backward: finish every reduction, reset per-step state."""
         for unit in self._units:
             unit._pre_backward_done = False
+            unit._expects_backward = False
             h = unit._handle
             if h is None:
                 continue
@@ -251,6 +314,7 @@ class FullyShardedDataParallel(nn.Module):
                 h.reshard()
         self._callback_queued = False
         self._pending_versions = None
+        self._order.end_iteration()
 
     # ------------------------------------------------------------------ no_sync
     @contextlib.contextmanager

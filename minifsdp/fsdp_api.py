@@ -57,6 +57,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             raise RuntimeError("summon_full_params() inside a backward pass is not supported; call it between steps")
     with torch.no_grad():
         for u in units:
+            u._handle.set_full_precision(True)  # fp32, never the low-precision copy (as torch)
             u._handle.unshard()
             u._handle.use_unsharded_views(as_data=u._handle.use_orig_params, detach=True)
     try:
@@ -67,6 +68,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                 if writeback:
                     u._handle.write_back()
                 u._handle.reshard()
+                u._handle.set_full_precision(False)
                 u._handle.use_sharded_views()
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from minifsdp.flat_param import build_layout, flatten, shard, unflatten
 from minifsdp.sharding import SHARDED, Comm, ShardGroups, ShardingStrategy, predivide_factor
+from minifsdp.tracing import span
 
 __all__ = ["FlatParamHandle", "set_tensor_attr", "clear_tensor_attr"]
 
@@ -58,7 +59,7 @@ class FlatParamHandle:
     """One unit's flat parameter: its layout, local shard, full buffer and gradient reduction."""
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ShardGroups,
-                 strategy: ShardingStrategy, use_orig_params: bool, comm: Comm):
+                 strategy: ShardingStrategy, use_orig_params: bool, comm: Comm, mixed_precision=None):
         self.groups, self.strategy, self.use_orig_params, self.comm = groups, strategy, use_orig_params, comm
         self.sharded = strategy in SHARDED
         n = groups.shard_size if self.sharded else 1
@@ -70,15 +71,24 @@ class FlatParamHandle:
                 f"FSDP unit mixes frozen ({', '.join(frozen[:3])}...) and trainable parameters; one flat parameter "
                 "has one requires_grad. Pass use_orig_params=True, or wrap the frozen part in its own unit."
             )
-        # torch aligns each parameter to 16 bytes when use_orig_params=True; we match its layout.
-        align = 16 // params[0].element_size() if use_orig_params else 0
+        # Mixed precision (mixed_precision.py): compute in param_dtype, reduce in reduce_dtype.
+        self.orig_dtype = params[0].dtype
+        self.param_dtype, self.reduce_dtype = (mixed_precision.dtypes_for(self.orig_dtype) if mixed_precision
+                                               else (self.orig_dtype, self.orig_dtype))
+        self.uses_param_mp = self.param_dtype != self.orig_dtype
+        if (self.uses_param_mp or self.reduce_dtype != self.orig_dtype) and not self.sharded:
+            raise NotImplementedError("MixedPrecision with NO_SHARD is not implemented in minifsdp; "
+                                      "use FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD")
+        # torch aligns each parameter to 16 bytes (of the compute dtype) when use_orig_params=True; so do we.
+        align = 16 // self.param_dtype.itemsize if use_orig_params else 0
         self.layout = build_layout(module, params, n, align_numel=align)
         full = flatten(self.layout)
         requires_grad = any(rg)
+        self.full_precision = False  # summon_full_params: gather fp32 (torch's _force_full_precision)
         if self.sharded:
             self.flat_param = nn.Parameter(shard(full, self.rank, n), requires_grad=requires_grad)
-            self.padded = torch.empty_like(full)
-            self.unsharded = torch.empty(0, dtype=full.dtype, device=full.device).requires_grad_(requires_grad)
+            self.padded = torch.empty_like(full, dtype=self.param_dtype)
+            self.unsharded = torch.empty(0, dtype=self.param_dtype, device=full.device).requires_grad_(requires_grad)
             self.unsharded.data = self.padded[: self.layout.numel]  # own version counter: see Note
             self.padded.untyped_storage().resize_(0)  # starts freed
             self.is_unsharded = False
@@ -91,18 +101,58 @@ class FlatParamHandle:
         self.predivide = predivide_factor(dp)
         self.postdivide = dp / self.predivide
         self.pending: list = []  # reductions started, not finished: (work, sharded_grad, keep_alive)
+        self.ag_work = None  # an all-gather issued and not yet waited (prefetch.py)
+        self._ag_keep = None
+        self.name = "unit"  # its module path, set by the root (for the tracer)
+        self.tracer = None  # a tracing.Tracer while one is attached
 
     # ------------------------------------------------------------------ parameters
     def unshard(self) -> None:
-        """All-gather the shards into the full buffer (no-op if already there)."""
-        if self.is_unsharded:
+        """All-gather the shards into the full buffer (no-op if already there); waits."""
+        self.start_unshard()
+        self.wait_unshard()
+
+    def start_unshard(self, prefetch: bool = False) -> None:
+        """Issue the all-gather (async); with mixed precision, of the shard cast to ``param_dtype``."""
+        if self.is_unsharded or self.ag_work is not None:
             return
+        if self.tracer is not None:
+            self.tracer.instant("all-gather issued", self.name, prefetch=prefetch)
         self.padded.untyped_storage().resize_(self.padded.numel() * self.padded.element_size())
-        self.comm.all_gather(self.padded, self.flat_param.data, self.groups.shard).wait()
-        self.is_unsharded = True
+        local = self.flat_param.data
+        if self.padded.dtype != local.dtype:
+            local = local.to(self.padded.dtype)  # torch: _mp_shard.copy_(local shard); one rounding
+        self.ag_work = self.comm.all_gather(self.padded, local, self.groups.shard, async_op=True)
+        self._ag_keep = local
+
+    def wait_unshard(self) -> None:
+        if self.ag_work is not None:
+            with span(self.tracer, "all-gather wait", self):
+                self.ag_work.wait()
+            self.ag_work, self._ag_keep = None, None
+            self.is_unsharded = True
+
+    def set_full_precision(self, on: bool) -> None:
+        """summon_full_params under mixed precision: gather the fp32 shards into a separate fp32 buffer.
+
+        The low-precision buffer and its autograd leaf are set aside and put back
+        unchanged (the post-backward hook is registered on that leaf).
+        """
+        if not self.uses_param_mp or on == self.full_precision:
+            return
+        self.reshard()
+        self.full_precision = on
+        if on:
+            self._low_precision = (self.padded, self.unsharded)
+            self.padded = torch.empty(self.layout.padded_numel, dtype=self.orig_dtype, device=self.flat_param.device)
+            self.unsharded = self.padded[: self.layout.numel]
+        else:
+            self.padded, self.unsharded = self._low_precision
+            del self._low_precision
 
     def reshard(self) -> None:
         """Free the full buffer (sharded strategies only)."""
+        self.wait_unshard()  # never free a buffer an all-gather is still writing
         if self.sharded and self.is_unsharded:
             self.padded.untyped_storage().resize_(0)
             self.is_unsharded = False
@@ -162,6 +212,8 @@ class FlatParamHandle:
         grad = self.unsharded.grad
         if grad is None:
             return
+        if self.tracer is not None:
+            self.tracer.instant("reduce-scatter issued", self.name)
         if not self.sharded:  # NO_SHARD: reduce flat_param.grad in place
             if self.predivide > 1:
                 grad.div_(self.predivide)
@@ -169,6 +221,8 @@ class FlatParamHandle:
             self.pending.append((work, None, grad))
             return
         self.unsharded.grad = None
+        if grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)  # torch: cast before padding and pre-dividing
         pad = self.layout.padded_numel - self.layout.numel
         padded_grad = F.pad(grad, [0, pad]) if pad > 0 else grad
         if self.predivide > 1:
@@ -180,7 +234,8 @@ class FlatParamHandle:
     def finish_reduce(self) -> None:
         """Final callback: wait, all-reduce across replicas (HYBRID), divide, accumulate into flat_param.grad."""
         for work, out, grad in self.pending:
-            work.wait()
+            with span(self.tracer, "reduce-scatter wait", self):
+                work.wait()
             if out is None:  # NO_SHARD: grad is flat_param.grad
                 if self.postdivide > 1:
                     grad.div_(self.postdivide)
@@ -189,6 +244,8 @@ class FlatParamHandle:
                 self.comm.all_reduce(out, self.groups.replicate).wait()
             if self.postdivide > 1:
                 out.div_(self.postdivide)
+            if out.dtype != self.flat_param.dtype:
+                out = out.to(self.flat_param.dtype)  # fp32 gradient shards for the optimizer
             if self.flat_param.grad is None:
                 self.flat_param.grad = out
             else:

@@ -28,6 +28,7 @@ HYBRID_SHARD, N is the whole data-parallel size (shard x replicate).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -147,6 +148,24 @@ class _DoneWork:
         return True
 
 
+class _LinkDelayedWork:
+    """A collective on a simulated slow link: done no earlier than ``delay_s`` after it was issued.
+
+    Models wire time that costs no CPU (a real network, or NVLink under NCCL): the
+    wait only sleeps for what is left of the delay, so work done meanwhile hides it.
+    """
+
+    def __init__(self, work, delay_s: float):
+        self.work, self.ready_at = work, time.perf_counter() + delay_s
+
+    def wait(self):
+        self.work.wait()
+        left = self.ready_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return True
+
+
 class Comm:
     """The three collectives FSDP needs, from torch (``kind="torch"``) or our ring (``kind="ring"``).
 
@@ -162,28 +181,35 @@ class Comm:
             raise ValueError(f"collectives must be 'torch' or 'ring', got {kind!r}")
         self.kind = kind
         self._ring = None
+        self.link_delay_s = 0.0  # bench only: simulated wire time per collective (see _LinkDelayedWork)
         if kind == "ring":
             from minifsdp.collectives import get_collectives
 
             self._ring = get_collectives("ring")
+
+    def _delayed(self, work):
+        work = work if work is not None else _DoneWork()
+        if self.link_delay_s > 0:
+            work = _LinkDelayedWork(work, self.link_delay_s)
+        return work
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
         if self._ring is not None:
             work = self._ring.all_gather(out, inp, group=group, async_op=async_op)
         else:
             work = _ALL_GATHER(out, inp, group=group, async_op=async_op)
-        return work if work is not None else _DoneWork()
+        return self._delayed(work)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
         if self._ring is not None:
             work = self._ring.reduce_scatter(out, inp, group=group, async_op=async_op)
         else:
             work = _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
-        return work if work is not None else _DoneWork()
+        return self._delayed(work)
 
     def all_reduce(self, t: torch.Tensor, group, async_op: bool = False):
         if self._ring is not None:
             work = self._ring.all_reduce(t, group=group, async_op=async_op)
         else:
             work = dist.all_reduce(t, group=group, async_op=async_op)
-        return work if work is not None else _DoneWork()
+        return self._delayed(work)

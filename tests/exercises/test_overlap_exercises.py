@@ -1,0 +1,84 @@
+"""Grades tasks 4.1 and 4.2a-b: ``--impl=reference`` checks minifsdp's own functions,
+``--impl=student`` the stubs in exercises/overlap_tasks.py.  One process, no ranks.
+
+Oracles: 4.1 the execution orders our FSDP records on TinyGPT (tests/test_prefetch.py checks the
+resulting all-gather order and bitwise results against torch FSDP1); 4.2a torch's rule
+(``_init_param_reduce_dtypes`` in torch/distributed/fsdp/_flat_param.py); 4.2b the reference,
+bitwise, plus cases that need no reference: the fp16 overflow that the pre-division avoids, output
+dtype and shape, and the exact average of small integers.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+REFERENCE = {"prefetch_target": ("minifsdp.prefetch", "prefetch_target"),
+             "reduce_gradient_shard": ("minifsdp.mixed_precision", "reduce_gradient_shard")}
+
+
+def _fn(impl, name):
+    if impl == "student":
+        return getattr(importlib.import_module("exercises.overlap_tasks"), name)
+    if name == "mixed_precision_dtypes":
+        from minifsdp.mixed_precision import MixedPrecision
+
+        return lambda p, r, o: MixedPrecision(param_dtype=p, reduce_dtype=r).dtypes_for(o)
+    mod, attr = REFERENCE[name]
+    return getattr(importlib.import_module(mod), attr)
+
+
+def test_task4_1_prefetch_target(impl):
+    f = _fn(impl, "prefetch_target")
+    pre, post = ["root", "blocks.0", "blocks.1"], ["blocks.0", "blocks.1", "root"]
+    assert f(pre, post, "root", "forward") == "blocks.0"
+    assert f(pre, post, "blocks.0", "forward") == "blocks.1"
+    assert f(pre, post, "blocks.1", "forward") is None
+    assert f(pre, post, "root", "backward") == "blocks.1"
+    assert f(pre, post, "blocks.1", "backward") == "blocks.0"
+    assert f(pre, post, "blocks.0", "backward") is None
+    assert f(pre, post, "lm_head", "backward") is None
+    assert f(pre, [], "root", "backward") is None  # nothing recorded this iteration yet
+    with pytest.raises(ValueError):
+        f(pre, post, "root", "sideways")
+
+
+def test_task4_2a_mixed_precision_dtypes(impl):
+    f = _fn(impl, "mixed_precision_dtypes")
+    bf, h, f32 = torch.bfloat16, torch.float16, torch.float32
+    assert f(None, None, f32) == (f32, f32)
+    assert f(bf, None, f32) == (bf, bf)  # the twist: reduce in param_dtype
+    assert f(bf, f32, f32) == (bf, f32)
+    assert f(None, h, f32) == (f32, h)
+    assert f(h, bf, f32) == (h, bf)
+
+
+def _grads(n, numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(numel, generator=g) * 10 ** torch.randint(-3, 3, (numel,), generator=g)).to(dtype)
+            for _ in range(n)]
+
+
+def test_task4_2b_reduce_gradient_shard(impl):
+    f = _fn(impl, "reduce_gradient_shard")
+    ref = _fn("reference", "reduce_gradient_shard")
+    # exact case: small integers, the average is exact in every dtype
+    grads = [torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0]) * (r + 1) for r in range(2)]
+    out0 = f([g.to(torch.bfloat16) for g in grads], 0, torch.bfloat16)
+    assert out0.dtype == torch.float32 and out0.shape == (3,)
+    assert out0.tolist() == [3.0, 6.0, 9.0]
+    assert f([g.to(torch.bfloat16) for g in grads], 1, torch.bfloat16).tolist() == [12.0, 15.0, 0.0]  # padding
+    # fp16: 40000 + 40000 overflows, (40000 / 2) + (40000 / 2) does not
+    big = [torch.full((4,), 40000.0, dtype=torch.float16) for _ in range(2)]
+    before = [b.clone() for b in big]
+    out = f(big, 0, torch.float16)
+    assert torch.isfinite(out).all() and out.tolist() == [40000.0, 40000.0]
+    assert all(torch.equal(a, b) for a, b in zip(big, before)), "rank_grads were modified"
+    # bitwise against the reference, bf16 and fp16, N = 2, 3, 4, reduce in low precision and in fp32
+    for n in (2, 3, 4):
+        for dtype in (torch.bfloat16, torch.float16):
+            for reduce_dtype in (dtype, torch.float32):
+                grads = _grads(n, 11, dtype, seed=n)
+                for rank in range(n):
+                    got, want = f(grads, rank, reduce_dtype), ref(grads, rank, reduce_dtype)
+                    assert got.dtype == want.dtype and torch.equal(got, want), (n, dtype, reduce_dtype, rank)

@@ -1,0 +1,83 @@
+"""MixedPrecision and ShardedGradScaler against torch FSDP1 (issue 4, section 2).
+
+Oracle: torch FSDP1 ``FullyShardedDataParallel(mixed_precision=torch's MixedPrecision(...))``
+with the same nested wrapping, model, data and optimizer, 2 ranks, 4 AdamW steps.
+Tolerance: BITWISE (losses, each rank's fp32 flat shards, full parameters) for
+bf16 and fp16, FULL_SHARD and SHARD_GRAD_OP, reduce in param_dtype or fp32,
+use_orig_params: we perform the same casts in the same order (cast the fp32
+shard, all-gather in param_dtype, cast the gradient to reduce_dtype, pad,
+pre-divide, reduce-scatter, post-divide, cast to fp32) with the same gloo
+collectives, so every rounding happens at the same place.
+
+The ShardedGradScaler oracle is torch's ``torch.distributed.fsdp.sharded_grad_scaler.
+ShardedGradScaler(device="cpu")``, fp16, an inf injected into rank 1's gradient shard
+only: bitwise parameters, the same scale sequence, and both ranks skip that step.
+"""
+
+import numpy as np
+import pytest
+
+import minifsdp
+from minifsdp.mixed_precision import MixedPrecision, ShardedGradScaler
+from tests import _workers_overlap as W
+
+CASES = [(name, s) for name in W.MP_CASES for s in ("FULL_SHARD", "SHARD_GRAD_OP")] + [("bf16", "orig_params")]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return minifsdp.spawn(W.mixed_precision_worker, world_size=2, timeout_s=240)
+
+
+def _bitwise(ours, theirs):
+    assert ours["losses"] == theirs["losses"]
+    assert len(ours["shards"]) == len(theirs["shards"])
+    for a, b in zip(ours["shards"], theirs["shards"]):
+        assert a.dtype == b.dtype == np.float32  # fp32 master shards
+        assert np.array_equal(a, b)
+    for name, b in theirs["full"].items():
+        assert ours["full"][name].dtype == np.float32, name  # state dict in full precision, as torch
+        assert np.array_equal(ours["full"][name], b), name
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", CASES)
+def test_bitwise_vs_torch_fsdp1_mixed_precision(runs, case):
+    for res in runs:
+        _bitwise(res[case]["ours"], res[case]["torch"])
+
+
+def test_low_precision_really_used(runs):
+    """The forward sees param_dtype weights, the optimizer fp32 grads, and the losses differ from fp32's."""
+    for res in runs:
+        for name, mp in W.MP_CASES.items():
+            ours = res[(name, "FULL_SHARD")]["ours"]
+            assert set(ours["compute_dtypes"]) == {str(mp.param_dtype)}
+            assert all(d == ["torch.float32"] for d in ours["grad_dtypes"])
+            assert ours["losses"] != res["fp32_losses"]
+            np.testing.assert_allclose(ours["losses"], res["fp32_losses"], rtol=0.02)  # bf16: ~3 digits
+        assert res["buffer_dtype"] == "torch.bfloat16"
+        assert res["input_dtype"] == "torch.bfloat16"  # cast_root_forward_inputs
+
+
+def test_sharded_grad_scaler_skips_on_every_rank(runs):
+    ours = [r["scaler"]["ours"] for r in runs]
+    theirs = [r["scaler"]["torch"] for r in runs]
+    for o, t in zip(ours, theirs):
+        _bitwise(o, t)
+        assert o["scales"] == t["scales"]
+        assert o["stepped"] == t["stepped"] == [True, False, True, True]  # the inf was on rank 1 only
+    assert ours[0]["scales"] == [1024.0, 512.0, 512.0, 1024.0]  # back off, then grow after 2 good steps
+
+
+def test_bad_arguments():
+    import torch
+
+    with pytest.raises(ValueError, match="floating dtype"):
+        MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(NotImplementedError, match="keep_low_precision_grads"):
+        MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        ShardedGradScaler(backoff_factor=2.0)
+    assert MixedPrecision(param_dtype=torch.float16).dtypes_for(torch.float32) == (torch.float16, torch.float16)
+    assert MixedPrecision(reduce_dtype=torch.bfloat16).dtypes_for(torch.float32) == (torch.float32, torch.bfloat16)
