@@ -63,13 +63,13 @@ __all__ = ["save", "load", "full_state_dict", "sharded_state_dict", "full_optim_
 FULL_FILE = "full.pt"
 
 
-def _agree(fn):
+def _agree(fn, group=None):
     """Run ``fn`` on every rank; if it raised anywhere, raise the same CheckpointError everywhere."""
     try:
         value, err = fn(), None
     except Exception as e:  # noqa: BLE001 - reported below, on every rank
         value, err = None, f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-    errors = all_gather_object(err)
+    errors = all_gather_object(err, group)
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if bad:
         first = bad[0][1]
@@ -92,7 +92,7 @@ def _units_meta(model: nn.Module) -> list[dict]:
 
 
 def save(directory: str, model: nn.Module, optimizer=None, extra=None, full: bool = False,
-         overwrite: bool = False) -> None:
+         overwrite: bool = False, group=None) -> None:
     """Write a checkpoint of ``model`` (and ``optimizer``) to ``directory``; collective.
 
     Args:
@@ -100,18 +100,19 @@ def save(directory: str, model: nn.Module, optimizer=None, extra=None, full: boo
             :func:`load` returns this rank's.
         full: gather to rank 0 and write one plain state dict, instead of one file per rank.
         overwrite: replace a complete checkpoint already at ``directory`` (after the new one is complete).
+        group: the ranks the model is sharded over and that call ``save`` (default: all).
     """
-    rank, world = rank_and_world()
+    rank, world = rank_and_world(group)
     tmp = directory.rstrip("/") + ".tmp"
-    _agree(lambda: begin_directory(directory, overwrite) if rank == 0 else None)
-    extras = all_gather_object(extra)
+    _agree(lambda: begin_directory(directory, overwrite) if rank == 0 else None, group)
+    extras = all_gather_object(extra, group)
     specs, tied = param_specs(model)
     buffers = persistent_buffers(model)
 
     def write():
         if full:  # every rank takes part in the gathers; rank 0 writes
             msd = full_state_dict(model, rank0_only=True)
-            osd = full_optim_state_dict(model, optimizer) if optimizer is not None else None
+            osd = full_optim_state_dict(model, optimizer, group=group) if optimizer is not None else None
             if rank != 0:
                 return {}
             info = save_object(os.path.join(tmp, FULL_FILE), {"model": msd, "optim": osd, "extra": extras})
@@ -127,7 +128,7 @@ def save(directory: str, model: nn.Module, optimizer=None, extra=None, full: boo
         return {_rank_file(rank): info}
 
     files = {}
-    for part in all_gather_object(_agree(write)):  # after this, every rank's file is on disk
+    for part in all_gather_object(_agree(write, group), group):  # after this, every rank's file is on disk
         files.update(part)
 
     def commit():
@@ -139,16 +140,17 @@ def save(directory: str, model: nn.Module, optimizer=None, extra=None, full: boo
                              "units": _units_meta(model), "torch_version": torch.__version__, "files": files})
         commit_directory(tmp, directory)
 
-    _agree(commit)  # the rename is done before any rank returns
+    _agree(commit, group)  # the rename is done before any rank returns
 
 
-def load(directory: str, model: nn.Module, optimizer=None, reshard: bool = True):
+def load(directory: str, model: nn.Module, optimizer=None, reshard: bool = True, group=None):
     """Load a checkpoint written by :func:`save` (any kind, any world size); returns this rank's ``extra``.
 
     ``reshard=False`` refuses a checkpoint written at another world size.
     ``extra`` is this rank's own when the world size is the same, else rank 0's.
+    ``group``: the ranks that call ``load`` (default: all).
     """
-    rank, world = rank_and_world()
+    rank, world = rank_and_world(group)
     my_holders = holders(model)
 
     def check():
@@ -176,7 +178,7 @@ def load(directory: str, model: nn.Module, optimizer=None, reshard: bool = True)
             verify_file(directory, name, manifest)
         return manifest
 
-    manifest = _agree(check)
+    manifest = _agree(check, group)
     cache: dict[str, dict] = {}
 
     def open_file(name):
@@ -202,7 +204,7 @@ def load(directory: str, model: nn.Module, optimizer=None, reshard: bool = True)
         extras = main["extra"]
         return extras[rank] if len(extras) == world else extras[0]
 
-    extra = _agree(read)
+    extra = _agree(read, group)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group)
     return extra

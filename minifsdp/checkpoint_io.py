@@ -181,10 +181,10 @@ class CheckpointManager:
 
     _NAME = re.compile(r"^step_(\d+)$")
 
-    def __init__(self, root: str, keep: int = 2):
+    def __init__(self, root: str, keep: int = 2, group=None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
-        self.root, self.keep = root, keep
+        self.root, self.keep, self.group = root, keep, group
 
     def path(self, step: int) -> str:
         return os.path.join(self.root, f"step_{step:08d}")
@@ -203,11 +203,11 @@ class CheckpointManager:
         from minifsdp.checkpoint import save
 
         path = self.path(step)
-        save(path, model, optimizer, extra=extra, **kwargs)
-        if _rank() == 0:
+        save(path, model, optimizer, extra=extra, group=self.group, **kwargs)
+        if _rank(self.group) == 0:
             for old in self.steps()[: -self.keep]:
                 shutil.rmtree(self.path(old), ignore_errors=True)
-        _barrier()  # no rank lists the checkpoints while rank 0 is still removing old ones
+        _barrier(self.group)  # no rank lists the checkpoints while rank 0 is still removing old ones
         return path
 
     def load_latest(self, model, optimizer=None, **kwargs):
@@ -215,17 +215,17 @@ class CheckpointManager:
         from minifsdp.checkpoint import load
 
         path = self.latest()
-        return None if path is None else load(path, model, optimizer, **kwargs)
+        return None if path is None else load(path, model, optimizer, group=self.group, **kwargs)
 
 
-def _barrier() -> None:
+def _barrier(group) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group)
 
 
-def _rank() -> int:
+def _rank(group) -> int:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank(group) if dist.is_initialized() else 0

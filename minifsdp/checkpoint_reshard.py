@@ -36,7 +36,8 @@ import torch.nn as nn
 
 from minifsdp.fsdp_api import clean_name
 
-__all__ = ["Piece", "Holder", "holders", "param_specs", "persistent_buffers", "PieceReader"]
+__all__ = ["Piece", "Holder", "holders", "param_specs", "persistent_buffers", "PieceReader", "save_pieces",
+           "load_shard"]
 
 
 @dataclass
@@ -77,7 +78,7 @@ def _units(model):
 def _first_replica(unit) -> bool:
     h = unit._handle
     if not h.sharded:
-        return not dist.is_initialized() or dist.get_rank() == 0
+        return dist.get_rank(h.groups.shard) == 0
     return h.groups.replicate is None or dist.get_rank(h.groups.replicate) == 0
 
 
@@ -167,13 +168,14 @@ class PieceReader:
         Returns False if the checkpoint holds nothing for it (e.g. no optimizer state);
         raises if it holds only part of it.
         """
-        covered = 0
+        done = torch.zeros(hi - lo, dtype=torch.bool)  # which numbers some piece has filled
         for fname, s_lo, a, b in self._overlaps(fqn, lo, hi):
             src = pick(self.open_file(fname), fqn)
             if src is None:
                 continue
             dst[a - lo : b - lo].copy_(src.reshape(-1)[a - s_lo : b - s_lo])
-            covered += b - a
+            done[a - lo : b - lo] = True
+        covered = int(done.sum())
         if covered == 0:
             return False
         if covered != hi - lo:
@@ -188,3 +190,50 @@ class PieceReader:
                 if v is not None:
                     return v
         return None
+
+
+# ---------------------------------------------------------------- the idea in two small functions (task 4.3)
+
+
+def save_pieces(shard: torch.Tensor, numels: list[tuple[str, int]], world_size: int, rank: int) -> dict:
+    """Rank ``rank``'s pieces: ``{name: (lo, hi, numbers)}`` for every parameter it holds a part of.
+
+    ``numels``: the unit's parameters in flat order, ``[(name, numel), ...]`` (no gaps);
+    ``shard``: this rank's 1-D shard of the flat buffer padded to a multiple of ``world_size``.
+    ``numbers`` is a copy of numbers ``[lo, hi)`` of ``name`` flattened.  Padding is never saved.
+    """
+    total = sum(n for _, n in numels)
+    shard_numel = -(-total // world_size)
+    if shard.numel() != shard_numel:
+        raise ValueError(f"a shard of {total} numbers over {world_size} ranks has {shard_numel}, got {shard.numel()}")
+    start, out, offset = rank * shard_numel, {}, 0
+    for name, numel in numels:
+        a, b = max(offset, start), min(offset + numel, start + shard_numel)
+        if a < b:
+            out[name] = (a - offset, b - offset, shard[a - start : b - start].clone())
+        offset += numel
+    return out
+
+
+def load_shard(saved: list[dict], numels: list[tuple[str, int]], world_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard at ``world_size`` ranks, built from pieces saved at *any* world size.
+
+    ``saved``: one ``{name: (lo, hi, numbers)}`` per old rank (what :func:`save_pieces` returned).
+    Returns a 1-D tensor of ``ceil(total / world_size)`` numbers; padding is zeros.
+    """
+    total = sum(n for _, n in numels)
+    shard_numel = -(-total // world_size)
+    start = rank * shard_numel
+    dtype = next((t.dtype for d in saved for (_, _, t) in d.values()), torch.float32)
+    out = torch.zeros(shard_numel, dtype=dtype)
+    offset = 0
+    for name, numel in numels:
+        for pieces in saved:
+            if name not in pieces:
+                continue
+            lo, hi, t = pieces[name]
+            a, b = max(offset + lo, start), min(offset + hi, start + shard_numel)  # flat coordinates
+            if a < b:
+                out[a - start : b - start] = t[a - offset - lo : b - offset - lo]
+        offset += numel
+    return out

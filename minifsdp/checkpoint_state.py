@@ -29,15 +29,16 @@ __all__ = ["full_state_dict", "sharded_state_dict", "full_optim_state_dict", "lo
            "rank_and_world", "all_gather_object"]
 
 
-def rank_and_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def rank_and_world(group=None) -> tuple[int, int]:
+    """This rank and the number of ranks in ``group`` (default: all); (0, 1) without a process group."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
 
 
-def all_gather_object(obj) -> list:
+def all_gather_object(obj, group=None) -> list:
     if not dist.is_initialized():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -103,19 +104,20 @@ def sharded_state_dict(model: nn.Module, optimizer=None) -> dict:
     return out
 
 
-def full_optim_state_dict(model: nn.Module, optimizer, rank0_only: bool = True) -> dict:
+def full_optim_state_dict(model: nn.Module, optimizer, rank0_only: bool = True, group=None) -> dict:
     """The optimizer state with whole tensors under original names (collective: gathers every rank's pieces).
 
     Same format as torch FSDP1's ``FSDP.optim_state_dict(model, optim)`` with a
-    full state dict type; on other ranks ``{}`` when ``rank0_only``.
+    full state dict type; on other ranks ``{}`` when ``rank0_only``.  ``group``: the
+    ranks the model is sharded over (default: all).
     """
     mine = []
     for h in holders(model):
         if h.writes:
             states = _optim_state_of(optimizer, h)
             mine += [(p.fqn, p.lo, p.hi, states[p.fqn]) for p in h.pieces if p.fqn in states]
-    rank, _ = rank_and_world()
-    everyone = all_gather_object(mine)
+    rank, _ = rank_and_world(group)
+    everyone = all_gather_object(mine, group)
     if rank0_only and rank != 0:
         return {}
     specs, _ = param_specs(model)

@@ -242,3 +242,98 @@ def dcp_check(root: str) -> dict:
     set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     res["ours -> fsdp2"] = same(checkpoint.full_state_dict(a), full_of(m2))
     return res
+
+
+# ---------------------------------------------------------------- 4 ranks: save once, load in every other layout
+
+
+def pieces_match(model, opt, full: dict, full_osd: dict | None) -> list[str]:
+    """Local check, no communication: every number this rank holds equals the saved whole tensor's."""
+    from minifsdp.checkpoint_reshard import holders
+
+    bad = []
+    for h in holders(model):
+        flat = h.tensor.detach().reshape(-1)
+        state = opt.state.get(h.tensor, {}) if opt is not None else {}
+        for p in h.pieces:
+            if not torch.equal(flat[p.src_lo : p.src_hi], full[p.fqn].reshape(-1)[p.lo : p.hi]):
+                bad.append(p.fqn)
+            if full_osd is None:
+                continue
+            for k, v in full_osd["state"][p.fqn].items():
+                mine = state.get(k)
+                if mine is None:
+                    bad.append(f"{p.fqn}.{k} missing")
+                elif v.dim() > 0 and not torch.equal(mine.reshape(-1)[p.src_lo : p.src_hi], v.reshape(-1)[p.lo : p.hi]):
+                    bad.append(f"{p.fqn}.{k}")
+                elif v.dim() == 0 and not torch.equal(mine, v):
+                    bad.append(f"{p.fqn}.{k} (scalar)")
+    return bad
+
+
+def first_loss_vs_plain(model, opt, full, i, group=None) -> bool:
+    """The first step after loading: our loss is bitwise the plain model's (loaded with the same numbers)."""
+    plain = TinyGPT(seed=11)
+    plain.load_state_dict(full)
+    x, y = gpt_batch(i, dist.get_rank(group), dist.get_world_size(group))
+    return step(model, opt, i) == plain(x, y).item()
+
+
+def reshard_worker(tmp: str) -> dict:
+    rank, out = dist.get_rank(), {}
+    solo = dist.new_group([0])
+    a = ours()
+    oa = make_opt("adamw", a)
+    for i in range(2):
+        step(a, oa, i)
+    path = os.path.join(tmp, "r4")
+    checkpoint.save(path, a, oa, extra={"step": 2})
+    full, full_osd = checkpoint.full_state_dict(a), checkpoint.full_optim_state_dict(a, oa, rank0_only=False)
+    step(a, oa, 2)
+    a_next = checkpoint.full_state_dict(a)
+    # fewer ranks: 1, 2, 3 (a subgroup; the ranks outside it wait at the barrier)
+    for n in (1, 2, 3):
+        group = dist.new_group(list(range(n)))  # every rank calls new_group
+        if rank < n:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # 1 rank: "nothing to shard, using NO_SHARD"
+                b = ours(seed=n, group=group)
+            ob = make_opt("adamw", b)
+            extra = checkpoint.load(path, b, ob, group=group)
+            out[f"{n} ranks"] = dict(pieces=pieces_match(b, ob, full, full_osd), extra=extra,
+                                     summon=same(full, checkpoint.full_state_dict(b)),
+                                     continues=first_loss_vs_plain(b, ob, full, 2, group))
+        dist.barrier()
+    if rank == 0:  # and the plain nn.Module, no FSDP at all
+        plain = TinyGPT(seed=12)
+        op = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+        checkpoint.load(path, plain, op, group=solo)
+        out["plain"] = pieces_match(plain, op, full, full_osd)
+    dist.barrier()
+    # 4 ranks, other layouts: each loads, takes the same step 2 as `a`, and is compared with `a`'s step
+    variants = {"SHARD_GRAD_OP": dict(strategy=ShardingStrategy.SHARD_GRAD_OP),
+                "NO_SHARD": dict(strategy=ShardingStrategy.NO_SHARD),
+                "HYBRID_SHARD": dict(strategy=ShardingStrategy.HYBRID_SHARD, group=hybrid_groups(2)),
+                "use_orig_params": dict(use_orig_params=True)}
+    for name, kw in variants.items():
+        b = ours(seed=4, **kw)
+        ob = make_opt("adamw", b)
+        checkpoint.load(path, b, ob)
+        pieces = pieces_match(b, ob, full, full_osd)
+        step(b, ob, 2)
+        nxt = checkpoint.full_state_dict(b)
+        # and back: this layout's own sharded save (replicas write once) loads into FULL_SHARD
+        again = os.path.join(tmp, f"r4_{name}")
+        checkpoint.save(again, b, ob)
+        c = ours(seed=5)
+        oc = make_opt("adamw", c)
+        checkpoint.load(again, c, oc)
+        out[name] = dict(pieces=pieces, next_step=same(a_next, nxt), max_diff=max(
+            (a_next[k].double() - nxt[k].double()).abs().max().item() for k in a_next),
+            round_trip=same(nxt, checkpoint.full_state_dict(c)),
+            files=sorted(checkpoint.read_manifest(again)["files"]),
+            written=sorted(f for f, info in checkpoint.read_manifest(again)["files"].items() if info["pieces"]))
+    return out
+
