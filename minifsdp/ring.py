@@ -167,7 +167,8 @@ class Ring:
 
         Note (workspace): kept between collectives of the same group (one stream runs one
         collective at a time, so one buffer is enough): a fresh 32 MB buffer per call costs
-        8192 page faults while the kernel copies into it.  It holds the largest chunk seen so far.
+        8192 page faults while the kernel copies into it.  It keeps the largest size asked for
+        (two chunks: 2/N of the largest tensor all-reduced), until the process ends.
         """
         key = (like.dtype, like.device)
         buf = self.workspace.get(key)
