@@ -18,6 +18,14 @@ an earlier one's, never the reverse):
 """
 
 from minifsdp.buckets import assign_buckets
+from minifsdp.collectives import (
+    count_bytes,
+    get_collectives,
+    naive_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 from minifsdp.data_parallel import DataParallel
 from minifsdp.ddp import DDP, DistributedDataParallel
 from minifsdp.flat_param import FlatParamLayout, build_layout, flatten, shard, unflatten
@@ -31,6 +39,7 @@ from minifsdp.zero_formulas import model_state_bytes
 
 __all__ = [
     "spawn", "RankFailedError",
+    "naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "count_bytes", "get_collectives",
     "DataParallel", "DistributedDataParallel", "DDP", "assign_buckets",
     "FullyShardedDataParallel", "FSDP", "ShardingStrategy", "hybrid_groups",
     "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
