@@ -136,19 +136,39 @@ def overlap_worker(config: str, steps: int, batch_size: int, link_ms: float = 0.
             steps_fns[(side, setting)], _ = _step_fn(models[(side, setting)], batch_size, cfg)
             steps_fns[(side, setting)]()  # warm-up (records the execution order)
     out["step_s"] = {f"{s}/{k}": v for (s, k), v in _timed(steps_fns, steps).items()}
+    block_numel = sum(p.numel() for p in _build(False, cfg).module.blocks[0].parameters()) * dist.get_world_size()
+    out["allgather_cpu"] = comm_cpu_share(block_numel)
     for setting in SETTINGS:  # exposed communication, ours, traced over a few steps
         with Tracer(models[("ours", setting)]) as tr:
             for _ in range(max(2, steps // 2)):
                 steps_fns[("ours", setting)]()
         per = max(2, steps // 2)
         out.setdefault("exposed_s", {})[setting] = {k: v / per for k, v in tr.exposed_seconds().items()}
-    for limit in (True, False):
-        for side in sides:
-            model = _build(side == "torch", cfg, "forward+BACKWARD_PRE", limit=limit)
-            step, opt = _step_fn(model, batch_size, cfg)
-            step()
-            out.setdefault("peak", {})[f"{side}/limit={limit}"] = _peak(model, opt, step)
+    for setting in SETTINGS:  # peak memory of each setting, with and without limit_all_gathers
+        for limit in (True, False):
+            for side in sides:
+                model = _build(side == "torch", cfg, setting, limit=limit)
+                step, opt = _step_fn(model, batch_size, cfg)
+                step()
+                out.setdefault("peak", {})[f"{side}/{setting},limit={limit}"] = _peak(model, opt, step)
     return out
+
+
+def comm_cpu_share(numel: int, repeats: int = 20) -> dict:
+    """How much CPU a gloo all-gather of one unit burns: process CPU seconds per wall second.
+
+    ~1 or more means the collective is CPU work (copies through the loopback), not wire time:
+    on cores that are already busy computing, running it "in the background" cannot be free.
+    """
+    world = dist.get_world_size()
+    shard, full = torch.randn(numel // world), torch.empty(numel // world * world)
+    dist.all_gather_into_tensor(full, shard)
+    dist.barrier()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(full, shard)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    return dict(numel=numel, ms_per_allgather=round(wall / repeats * 1e3, 3), cpu_per_wall=round(cpu / wall, 3))
 
 
 def precision_worker(config: str, steps: int, batch_size: int) -> dict:

@@ -64,7 +64,7 @@ class _Recomputation:
         collected: list[torch.Tensor] = []
 
         def pack(t):
-            collected.append(t)
+            collected.append(t.detach() if t.requires_grad else t)  # values only: no graph kept alive
             return len(collected) - 1
 
         # Inputs cut from the first forward's graph: the recompute builds a throw-away graph of its own.
