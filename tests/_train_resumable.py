@@ -1,0 +1,101 @@
+"""A training job that survives a rank being killed: checkpoint every 2 steps, resume from the last one.
+
+Run it under torchrun with restarts (what tests/test_fault_tolerance.py does):
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \\
+        tests/_train_resumable.py OUTDIR --kill-at 5
+
+    attempt 0:  steps 0 1 [save 2] 2 3 [save 4] 4 5 -> rank 1: SIGKILL
+                torchrun sees a dead worker, stops the other, starts both again
+    attempt 1:  load step_4 (model, AdamW state, RNG, data position) -> steps 4 5 [save 6] 6 7 [save 8]
+
+The kill happens on the first attempt only (a marker file in OUTDIR says it
+already happened).  Every step masks a random tenth of the inputs with the
+global torch RNG, so a resume that forgot the RNG state would drift.  Rank 0
+writes ``OUTDIR/result.pt``: the final full state dict and the losses of the last attempt.
+The same :func:`train` runs under ``minifsdp.spawn`` too (the test's no-failure oracle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import minifsdp
+from minifsdp import checkpoint, resume
+from minifsdp.fsdp import FSDP
+from minifsdp.models import MLP
+from minifsdp.wrap import size_based_auto_wrap_policy
+
+STEPS, EVERY = 8, 2
+DIMS = (16, 32, 32, 8)
+
+
+def train(outdir: str, kill_at: int | None = None) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1000 + rank)
+    model = FSDP(MLP(DIMS, seed=0), auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=500))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    mgr = checkpoint.CheckpointManager(os.path.join(outdir, "ckpt"), keep=2)
+    extra = mgr.load_latest(model, opt)
+    start = 0
+    if extra is not None:
+        resume.restore_rng(extra["rng"])
+        start = extra["step"]
+    losses = {}
+    data = MLP(DIMS)
+    for step in range(start, STEPS):
+        x, y = data.batch(step, 4, rank, world)
+        x = torch.where(torch.rand(x.shape) < 0.1, torch.zeros_like(x), x)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses[step] = loss.item()
+        if kill_at is not None and step == kill_at and rank == 1:
+            marker = os.path.join(outdir, "killed_once")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # no exception, no cleanup: as a crash
+        if (step + 1) % EVERY == 0:
+            mgr.save(step + 1, model, opt, extra={"step": step + 1, "rng": resume.capture_rng()})
+    full = {k: v.numpy().copy() for k, v in checkpoint.full_state_dict(model).items()}
+    result = {"full": full, "losses": losses, "resumed_from": start,
+              "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "kept": mgr.steps()}
+    if rank == 0 and minifsdp.launch.launched_by_torchrun():
+        torch.save(result, os.path.join(outdir, "result.pt"))
+    return result
+
+
+def init_for_this_attempt() -> None:
+    """Join the group with the store keys of *this* attempt only.
+
+    torchrun (2.13, ``--standalone``) gives every attempt the same agent store, and
+    gloo finds its peers' addresses under the same key names each time: attempt 1's
+    rank 0 may read the address of attempt 0's (dead) rank 1 and fail with
+    "Connection refused".  A per-attempt prefix keeps the rounds apart.
+    (``minifsdp.spawn`` under torchrun would need the same; see the report of issue 5.)
+    """
+    import datetime
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = dist.PrefixStore(f"minifsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
+if __name__ == "__main__":
+    init_for_this_attempt()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("outdir")
+    parser.add_argument("--kill-at", type=int, default=None)
+    args = parser.parse_args()
+    minifsdp.spawn(train, args=(args.outdir, args.kill_at), world_size=2)
