@@ -7,6 +7,7 @@ rounding, and our FSDP divides by torch FSDP1's factors; see minifsdp/compare.py
 so the tests ask for exactly that line.
 """
 
+import json
 import re
 import subprocess
 import sys
@@ -61,3 +62,21 @@ def test_compare_rejects_hybrid_shard_on_two_ranks(capsys):
 
     with pytest.raises(SystemExit, match="HYBRID_SHARD .* needs an even world size of at least 4"):
         main(["compare", "--strategy", "HYBRID_SHARD", "--world-size", "2"])
+
+
+@pytest.mark.timeout(120)  # a smoke test of the bench command (benchmarks are commands, not tests): ~15 s idle
+def test_bench_fsdp_cli_runs_small_and_writes_ratios(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "minifsdp", "bench", "fsdp", "--config", "tiny", "--world-sizes", "2",
+         "--steps", "1", "--warmup", "0", "--batch-size", "2", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["trainer"] for r in rows] == ["ours_torch", "ours_ring", "fsdp1", "fsdp2", "ddp"]
+    ref = next(r for r in rows if r["trainer"] == "fsdp1")
+    assert ref["time_ratio"] == ref["peak_ratio"] == 1.0
+    # model state at rest (exact, integers): ours holds torch FSDP1's flat shards, gradients and Adam state
+    assert rows[0]["model_state_bytes"] == rows[1]["model_state_bytes"] == ref["model_state_bytes"], rows
+    assert "fsdp1" in proc.stdout and "x FSDP1" in proc.stdout
