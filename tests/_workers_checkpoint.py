@@ -337,3 +337,36 @@ def reshard_worker(tmp: str) -> dict:
             written=sorted(f for f, info in checkpoint.read_manifest(again)["files"].items() if info["pieces"]))
     return out
 
+
+
+def measure_worker(tmp: str, config: str = "small") -> dict:
+    """Size and time per rank, full vs sharded, for TinyGPT(GPTConfig.<config>()) + AdamW (a command, not a test):
+
+        minifsdp.spawn(measure_worker, args=(tmpdir, "bench"), world_size=4)
+    """
+    from minifsdp.models import GPTConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = getattr(GPTConfig, config)()
+    model = FSDP(TinyGPT(cfg, seed=0),
+                 auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    model(x, x).backward()
+    opt.step()
+    out = {}
+    for kind in ("sharded", "full"):
+        path = os.path.join(tmp, f"{kind}_{world}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        checkpoint.save(path, model, opt, full=kind == "full")
+        t_save = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        checkpoint.load(path, model, opt)
+        t_load = time.perf_counter() - t0
+        files = checkpoint.read_manifest(path)["files"]
+        mine = rank_file(rank) if kind == "sharded" else (checkpoint.FULL_FILE if rank == 0 else None)
+        out[kind] = dict(save_s=round(t_save, 3), load_s=round(t_load, 3),
+                         written_bytes=files[mine]["bytes"] if mine in files else 0)
+    return out
