@@ -191,30 +191,28 @@ def plot_collective_sequence(events: Sequence[CollectiveEvent], ax=None, title: 
         raise ValueError("no collectives recorded: trace a step inside `with CollectiveTracer(model):`")
     units = list(dict.fromkeys(e.unit or "?" for e in events))
     if ax is None:
-        fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(events) + 2), 0.5 * len(units) + 1.4))
+        fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(events) + 2), 0.5 * len(units) + 1.6))
     else:
         fig = ax.figure
     start = 0
     for i, e in enumerate(list(events) + [None]):
         if e is None or e.phase != events[start].phase:
-            ax.axvspan(start - 0.5, i - 0.5, color="0.93" if (start == 0 or events[start].phase != "backward")
-                       else "0.85", zorder=0)
-            ax.text((start + i - 1) / 2, len(units) - 0.45, events[start].phase, ha="center", va="bottom",
-                    fontsize="small")
+            ax.axvspan(start - 0.5, i - 0.5, color="0.85" if events[start].phase == "backward" else "0.94", zorder=0)
+            ax.text((start + i - 1) / 2, -0.75, events[start].phase, ha="center", va="center", fontsize="small")
             start = i
     for e in events:
         y = units.index(e.unit or "?")
         ax.add_patch(plt.Rectangle((e.index - 0.4, y - 0.35), 0.8, 0.7, color=COLORS[e.kind]))
         ax.text(e.index, y, SHORT[e.kind], ha="center", va="center", color="white", fontsize="small")
     ax.set_xlim(-0.6, len(events) - 0.4)
-    ax.set_ylim(-0.6, len(units) + 0.2)
+    ax.set_ylim(len(units) - 0.4, -1.1)  # first unit on top, a band above it for the phase names
     ax.set_yticks(range(len(units)), units)
-    ax.invert_yaxis()
+    ax.set_xticks(range(len(events)))
     ax.set_xlabel("order of issue")
     ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in COLORS if any(e.kind == k for e in events)]
-    ax.legend(handles, [k.replace("_", "-") for k in COLORS if any(e.kind == k for e in events)],
-              fontsize="small", loc="lower right")
+    kinds = [k for k in COLORS if any(e.kind == k for e in events)]
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in kinds], [k.replace("_", "-") for k in kinds],
+              fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return fig
 
@@ -240,8 +238,7 @@ def plot_flat_layout(layout, ax=None, title: str | None = None, max_labels: int 
             if a < b:
                 ax.barh(y, b - a, left=a, height=0.7, color=cmap(i % 20), edgecolor="white", linewidth=0.3)
                 if y == 0 and len(layout.slots) <= max_labels and (b - a) > 0.04 * layout.padded_numel:
-                    ax.text((a + b) / 2, y, s.fqn.split(".")[-1] if len(s.fqn) > 14 else s.fqn, ha="center",
-                            va="center", fontsize=7, rotation=0)
+                    ax.text((a + b) / 2, y, ".".join(s.fqn.split(".")[-2:]), ha="center", va="center", fontsize=7)
         if layout.padded_numel > layout.numel:
             a, b = max(lo, layout.numel), hi
             if a < b:
@@ -283,6 +280,7 @@ def plot_memory_bars(breakdowns: Mapping[str, Mapping[str, float]], ax=None, for
         if any(vals):
             ax.bar(range(len(labels)), vals, bottom=bottom, color=f"C{i}", label=cat.replace("_", " "))
             bottom = [b + v for b, v in zip(bottom, vals)]
+    formula_max = max(formula.values()) if formula else 0
     if formula:
         xs = [i for i, lab in enumerate(labels) if lab in formula]
         ax.plot(xs, [formula[labels[i]] / 1024 for i in xs], "k_", markersize=28, mew=2,
@@ -290,6 +288,7 @@ def plot_memory_bars(breakdowns: Mapping[str, Mapping[str, float]], ax=None, for
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize="small")
     ax.set_ylabel("KiB per rank")
     ax.set_title(title)
-    ax.legend(fontsize="x-small")
+    ax.set_ylim(0, 1.4 * max(bottom + [formula_max / 1024 if formula else 0]))  # headroom for the legend
+    ax.legend(fontsize="x-small", loc="upper center", ncol=3, framealpha=0.95)
     fig.tight_layout()
     return fig
