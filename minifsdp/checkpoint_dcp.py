@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from minifsdp.checkpoint_reshard import param_specs, persistent_buffers
 from minifsdp.checkpoint_state import full_optim_state_dict, full_state_dict, load_full_optim_state_dict
 
 __all__ = ["save_dcp", "load_dcp"]
@@ -83,8 +84,6 @@ def load_dcp(directory: str, model: nn.Module, optimizer=None) -> None:
                            "dcp.save({'model': get_model_state_dict(model), ...}) (top-level keys: "
                            f"{sorted(state)})")
     dcp.load(state, checkpoint_id=directory)
-    from minifsdp.checkpoint_reshard import param_specs, persistent_buffers
-
     specs, tied = param_specs(model)
     saved = state["model"]
     missing = sorted(k for k in list(specs) + list(persistent_buffers(model)) if k not in saved)

@@ -241,6 +241,11 @@ def dcp_check(root: str) -> dict:
     dcp.load(state, checkpoint_id=os.path.join(root, "ours"))
     set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     res["ours -> fsdp2"] = same(checkpoint.full_state_dict(a), full_of(m2))
+    x, y = gpt_batch(3, rank, world)  # and AdamW's state came along: the next step is the same
+    m2(x, y).backward()
+    o2.step()
+    step(a, oa, 3)
+    res["ours -> fsdp2, next step"] = same(checkpoint.full_state_dict(a), full_of(m2))
     return res
 
 
