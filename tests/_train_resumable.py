@@ -79,7 +79,9 @@ def init_for_this_attempt() -> None:
     torchrun (2.13, ``--standalone``) gives every attempt the same agent store, and
     gloo finds its peers' addresses under the same key names each time: attempt 1's
     rank 0 may read the address of attempt 0's (dead) rank 1 and fail with
-    "Connection refused".  A per-attempt prefix keeps the rounds apart.
+    "Connection refused" (pytorch/pytorch#135712 and #167288: the rendezvous TCPStore is
+    shared with ``init_process_group`` since 2.5; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    is torch's switch).  A per-attempt prefix keeps the rounds apart.
     (``minifsdp.spawn`` under torchrun would need the same; see the report of issue 5.)
     """
     import datetime
