@@ -164,7 +164,7 @@ def run_compare(args) -> int:
     """CLI entry: spawn ``args.world_size`` ranks, print the table and verdict, save the loss-curve PNG."""
     if args.steps < 1:
         raise SystemExit(f"--steps must be at least 1, got {args.steps}")
-    strategy = getattr(args, "strategy", "ddp")
+    strategy = getattr(args, "strategy", "FULL_SHARD")
     if strategy not in STRATEGIES:
         raise SystemExit(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "HYBRID_SHARD" and (args.world_size < 4 or args.world_size % 2):
