@@ -13,9 +13,13 @@ Oracles and tolerances:
 * 2.1b: torch FSDP1 itself.  Each rank trains the same small model under torch's
   FSDP and as a plain copy; the plain copy's flat gradient goes into the task's
   function, whose result must equal torch's sharded ``.grad`` bitwise (the same
-  gloo reduce-scatter sums in the same order).  At N = 3 dividing by N once
-  rounds differently from torch's pre/post factors (checked: the test data
-  tells the two apart), so only torch's recipe passes.
+  gloo reduce-scatter sums in the same order).  This catches padding and order
+  errors, and dividing by N = 3 *before* the sum (it rounds on every rank).
+  Dividing by N once *after* the sum gives the same bits as torch's recipe in
+  fp32 (torch's pre-divide factor is a power of two: exact), so a second case
+  uses gradients near fp32's largest number, where that sum overflows to inf;
+  the oracle there is the exact average (small integers times 2^125, exact
+  in float64), and the test checks that the plain sum really overflows.
 * 2.1c: ``torch.nn.utils.clip_grad_norm_`` on the whole gradient in one process.
   Tolerance rtol 1e-5: the squares are summed in another order (per shard,
   then across ranks) than torch's per-tensor norms.  Without clipping the
