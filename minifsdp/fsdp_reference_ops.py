@@ -16,9 +16,12 @@ the grading tests can check it against torch FSDP1 and a single process:
 
 Note (the pre/post divide, 2.1b): torch FSDP1 averages a gradient over N
 ranks as ``(sum_r g_r / f) / (N / f)`` with ``f = predivide_factor(N)``
-(``minifsdp/sharding.py``), not ``sum_r g_r / N``.  For N a power of two both
-are exact scalings by powers of two and give the same bits; for N = 3
-(f = 2, then / 1.5) they round differently, so only the two-step form is bitwise torch's.
+(``minifsdp/sharding.py``), not ``sum_r g_r / N``.  f is a power of two, so
+dividing by it is exact (it only changes the exponent) and, as long as
+nothing overflows, both forms give the same bits.  What f buys is range: the
+sum of N gradients can overflow (in fp16 easily, in fp32 near 3.4e38) where
+the sum of ``g_r / f`` does not.  Dividing by N *before* the sum is different
+again: ``g_r / 3`` rounds on every rank.
 """
 
 from __future__ import annotations
