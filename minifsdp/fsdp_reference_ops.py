@@ -11,8 +11,8 @@ the grading tests can check it against torch FSDP1 and a single process:
 
     2.1a, 4 tensors of 3, 2, 4, 1 numbers, N = 4 (numel 10 -> padded to 12, shards of 3):
 
-      flat   a a a b b c c c c d 0 0
-             |rank0| rank1| rank2| rank3|     rank 1 keeps [b b c]: shards cut through tensors
+      flat    a a a | b b c | c c c | d 0 0
+              rank 0  rank 1  rank 2  rank 3     rank 1 keeps [b b c]: shards cut through tensors
 
 Note (the pre/post divide, 2.1b): torch FSDP1 averages a gradient over N
 ranks as ``(sum_r g_r / f) / (N / f)`` with ``f = predivide_factor(N)``
