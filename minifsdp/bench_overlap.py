@@ -138,12 +138,14 @@ def overlap_worker(config: str, steps: int, batch_size: int, link_ms: float = 0.
     out["step_s"] = {f"{s}/{k}": v for (s, k), v in _timed(steps_fns, steps).items()}
     block_numel = sum(p.numel() for p in _build(False, cfg).module.blocks[0].parameters()) * dist.get_world_size()
     out["allgather_cpu"] = comm_cpu_share(block_numel)
-    for setting in SETTINGS:  # exposed communication, ours, traced over a few steps
-        with Tracer(models[("ours", setting)]) as tr:
-            for _ in range(max(2, steps // 2)):
+    per_step = {s: [] for s in SETTINGS}  # exposed communication, ours: median over steps, settings interleaved
+    for _ in range(steps):
+        for setting in SETTINGS:
+            dist.barrier()
+            with Tracer(models[("ours", setting)]) as tr:
                 steps_fns[("ours", setting)]()
-        per = max(2, steps // 2)
-        out.setdefault("exposed_s", {})[setting] = {k: v / per for k, v in tr.exposed_seconds().items()}
+            per_step[setting].append(tr.exposed_seconds())
+    out["exposed_s"] = {s: {c: statistics.median(e[c] for e in v) for c in v[0]} for s, v in per_step.items()}
     for setting in SETTINGS:  # peak memory of each setting, with and without limit_all_gathers
         for limit in (True, False):
             for side in sides:
