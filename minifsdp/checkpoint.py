@@ -72,7 +72,7 @@ def _agree(fn, group=None):
     errors = all_gather_object(err, group)
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if bad:
-        first = bad[0][1]
+        first = bad[0][1] if len(errors) == 1 else f"rank {bad[0][0]}: {bad[0][1]}"
         raise CheckpointError(first if len(bad) == 1 else f"{first}\n(and {len(bad) - 1} more rank(s) failed)")
     return value
 
