@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "RankFailedError", "launched_by_torchrun", "default_backend"]
+__all__ = ["spawn", "RankFailedError", "launched_by_torchrun", "default_backend", "init_process_group_for_this_attempt"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -245,12 +245,31 @@ def _raise_root_cause(procs, results, values, errors) -> None:
 
 
 def _run_under_torchrun(fn, args, backend, timeout_s):
-    """One rank of a torchrun job: join with env://, run, gather every rank's result."""
+    """One rank of a torchrun job: join the group, run, gather every rank's result."""
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+        init_process_group_for_this_attempt(backend, timeout_s)
     value = fn(*args)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def init_process_group_for_this_attempt(backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """``init_process_group`` from torchrun's variables, with keys private to this restart attempt.
+
+    Note (torchrun --max-restarts): since torch 2.5 every attempt of a job shares
+    torchrun's rendezvous store, and the process group finds its peers under the
+    same key names each time.  After a restart, rank 0 may read the address of
+    the *dead* attempt's rank 1 and fail with "Connection refused"
+    (pytorch/pytorch#135712, #167288).  Prefixing every key with the attempt
+    number (``TORCHELASTIC_RESTART_COUNT``) keeps the attempts apart.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_hosts_store and rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"minifsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

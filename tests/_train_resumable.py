@@ -73,29 +73,7 @@ def train(outdir: str, kill_at: int | None = None) -> dict:
     return result
 
 
-def init_for_this_attempt() -> None:
-    """Join the group with the store keys of *this* attempt only.
-
-    torchrun (2.13, ``--standalone``) gives every attempt the same agent store, and
-    gloo finds its peers' addresses under the same key names each time: attempt 1's
-    rank 0 may read the address of attempt 0's (dead) rank 1 and fail with
-    "Connection refused" (pytorch/pytorch#135712 and #167288: the rendezvous TCPStore is
-    shared with ``init_process_group`` since 2.5; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-    is torch's switch).  A per-attempt prefix keeps the rounds apart.
-    (``minifsdp.spawn`` under torchrun would need the same; see the report of issue 5.)
-    """
-    import datetime
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=datetime.timedelta(seconds=60))
-    store = dist.PrefixStore(f"minifsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-
-
 if __name__ == "__main__":
-    init_for_this_attempt()
     parser = argparse.ArgumentParser()
     parser.add_argument("outdir")
     parser.add_argument("--kill-at", type=int, default=None)
