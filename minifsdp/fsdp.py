@@ -9,8 +9,13 @@ step, for a root with two nested units, FULL_SHARD (AG = all-gather, RS =
 reduce-scatter):
 
     forward:   AG root | AG b0, run b0, free b0 | AG b1, run b1, free b1 | run root tail
-    backward:           AG b1, grad b1, RS b1, free | AG b0, grad b0, RS b0, free | grad root, RS root
-    end:       final callback at the root: wait for every RS, grads land in each unit's flat_param.grad
+    backward:           AG b1, grad b1, RS b1, free | AG b0, grad b0, wait RS b1, RS b0, free | grad root, ...
+    end:       final callback at the root: wait for the last RS, grads land in each unit's flat_param.grad
+
+Collectives are asynchronous: a reduce-scatter runs while the next unit computes
+(at most one in flight), and with prefetching (``prefetch.py``) so does the next
+unit's all-gather.  Mixed precision: ``mixed_precision.py``; activation
+checkpointing: ``checkpointing.py``; a timeline of it all: ``tracing.py``.
 
 The mechanics (buffers, hooks, reductions) are in ``fsdp_runtime.py``; this
 module is the ``nn.Module`` users see, and mirrors torch's constructor.
@@ -295,6 +300,11 @@ class FullyShardedDataParallel(nn.Module):
         if h.use_orig_params:
             h.use_sharded_views()
         if self._sync_gradients:
+            # At most one reduction in flight: finish the previous unit's (it had this unit's whole
+            # backward to complete) so its full gradient is freed now, not at the end of the backward.
+            for unit in root._units:
+                if unit is not self and unit._handle is not None and unit._handle.pending:
+                    unit._handle.finish_reduce()
             h.start_reduce()
         if h.sharded and (self._sync_gradients or self.sharding_strategy in RESHARD_AFTER_FORWARD):
             h.reshard()
