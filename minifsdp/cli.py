@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--json", default=None,
                          help="where to write the results (default out/bench_<what>.json; '' for none)")
     p_bench.add_argument("--config", default="bench", help="fsdp: TinyGPT size, bench (19M) | small | tiny")
-    p_bench.add_argument("--steps", type=int, default=8, help="fsdp: timed steps per trainer (median)")
-    p_bench.add_argument("--warmup", type=int, default=1, help="fsdp: untimed steps per trainer first")
-    p_bench.add_argument("--batch-size", type=int, default=2,
-                         help="fsdp: sequences of 128 tokens per rank per step (2 keeps a 2-core run near 6 min)")
+    p_bench.add_argument("--steps", type=int, default=None, help="timed steps (fsdp: 8 per trainer, median; else 5)")
+    p_bench.add_argument("--warmup", type=int, default=None, help="fsdp: untimed steps per trainer first (1)")
+    p_bench.add_argument("--batch-size", type=int, default=None,
+                         help="sequences per rank per step (fsdp: 2 of 128 tokens, a 2-core run in ~6 min; else 8)")
     p_bench.add_argument("--trainers", default="ours_torch,ours_ring,fsdp1,fsdp2,ddp",
                          help="fsdp: which of ours_torch,ours_ring,fsdp1,fsdp2,ddp (fsdp1 is the reference)")
     p_bench.add_argument("--threads", type=int, default=1, help="overlap/precision: intra-op threads per rank")
@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         if args.json is None:
             args.json = f"out/bench_{args.what}.json"
+        defaults = {"steps": 8, "warmup": 1, "batch_size": 2} if args.what == "fsdp" else \
+            {"steps": 5, "warmup": 2, "batch_size": 8}
+        for name, value in defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
         if args.what == "collectives":
             from minifsdp.bench import run_collectives_bench
 
