@@ -136,7 +136,31 @@ def mixed_precision_worker():
     m(torch.ones(2, 4))
     out["buffer_dtype"] = str(m.module.scale.dtype)
     out["input_dtype"] = m.module.seen_dtype
+    out["autocast_vs_mp"] = _autocast_vs_mp()
     return to_numpy(out)
+
+
+def _autocast_vs_mp():
+    """Output dtypes of a LayerNorm and a Linear: torch.amp autocast (per op) vs FSDP MixedPrecision (per param)."""
+    seen = {}
+
+    def record(tag):
+        def hook(mod, args, out):
+            seen[f"{tag}/{type(mod).__name__}"] = (str(out.dtype), str(mod.weight.dtype))
+        return hook
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batch("gpt", 0, rank, world)
+    plain = TinyGPT(seed=0)
+    plain.blocks[0].ln1.register_forward_hook(record("autocast"))
+    plain.blocks[0].attn.qkv.register_forward_hook(record("autocast"))
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):  # the source's torch.cuda.amp, device given
+        plain(x, y)
+    ours, _ = build_pair("FULL_SHARD", MP_CASES["bf16"])
+    ours.module.blocks[0].module.ln1.register_forward_hook(record("fsdp_mp"))
+    ours.module.blocks[0].module.attn.qkv.register_forward_hook(record("fsdp_mp"))
+    ours(x, y)
+    return seen
 
 
 class _WithFloatBuffer(torch.nn.Module):

@@ -60,6 +60,17 @@ def test_low_precision_really_used(runs):
         assert res["input_dtype"] == "torch.bfloat16"  # cast_root_forward_inputs
 
 
+def test_autocast_and_mixed_precision_differ(runs):
+    """torch.amp.autocast picks a dtype per op and keeps fp32 weights (a LayerNorm stays fp32);
+    FSDP's MixedPrecision casts the parameters, so every op of the unit runs in bf16."""
+    for res in runs:
+        seen = res["autocast_vs_mp"]
+        assert seen["autocast/LayerNorm"] == ("torch.float32", "torch.float32")
+        assert seen["autocast/Linear"] == ("torch.bfloat16", "torch.float32")
+        assert seen["fsdp_mp/LayerNorm"] == ("torch.bfloat16", "torch.bfloat16")
+        assert seen["fsdp_mp/Linear"] == ("torch.bfloat16", "torch.bfloat16")
+
+
 def test_sharded_grad_scaler_skips_on_every_rank(runs):
     ours = [r["scaler"]["ours"] for r in runs]
     theirs = [r["scaler"]["torch"] for r in runs]
