@@ -107,3 +107,33 @@ def test_execution_order_unit():
     assert order.pre_forward == [a, b, c] and order.next_in_forward(a) == b and order.next_in_forward(c) is None
     assert order.post_forward == []
     assert BackwardPrefetch.BACKWARD_PRE is not BackwardPrefetch.BACKWARD_POST
+
+
+def _fake_unit(unsharded: bool):
+    """A stand-in for an FSDP unit: just the fields prefetch() and alive_units() read."""
+    from types import SimpleNamespace
+
+    handle = SimpleNamespace(sharded=True, is_unsharded=unsharded, ag_work=None, started=0)
+
+    def start_unshard(prefetch):
+        handle.ag_work = "in flight"
+        handle.started += 1
+
+    handle.start_unshard = start_unshard
+    return SimpleNamespace(_handle=handle, _pre_backward_done=False, _expects_backward=True)
+
+
+@pytest.mark.parametrize("limit", [True, False])
+def test_limit_all_gathers_refuses_a_third_unit(limit):
+    """The rate limiter itself: with two units already gathered, a third prefetch waits (limit on) or goes."""
+    from types import SimpleNamespace
+
+    from minifsdp.prefetch import alive_units, prefetch
+
+    a, b, c = _fake_unit(True), _fake_unit(True), _fake_unit(False)
+    root = SimpleNamespace(_units=[a, b, c], _handle=None, limit_all_gathers=limit)
+    root._units.insert(0, root)
+    assert alive_units(root) == 2
+    issued = prefetch(root, c, in_backward=False)
+    assert issued is (not limit) and c._handle.started == (0 if limit else 1)
+    assert alive_units(root) == (2 if limit else 3)
