@@ -14,10 +14,17 @@ an earlier one's, never the reverse):
                             the FSDP unit, sharding strategies, auto-wrap policies
     2.3  memory.py, zero_formulas.py, activation_sizes.py
                             bytes per rank, measured from tensors; the ZeRO formulas
+    2.3  checkpointing.py   activation checkpointing of whole blocks
+    2.5  prefetch.py, tracing.py
+                            backward / forward prefetch, limit_all_gathers; event timelines
+    4.1  mixed_precision.py MixedPrecision, ShardedGradScaler
+    4.3  checkpoint*.py, resume.py
+                            state dicts, atomic save / load, resharding (``from minifsdp import checkpoint``)
          models.py          the tiny GPT and the MLP every chapter trains
 """
 
 from minifsdp.buckets import assign_buckets
+from minifsdp.checkpointing import apply_activation_checkpointing
 from minifsdp.collectives import (
     count_bytes,
     get_collectives,
@@ -32,7 +39,9 @@ from minifsdp.flat_param import FlatParamLayout, build_layout, flatten, shard, u
 from minifsdp.fsdp import FSDP, FullyShardedDataParallel
 from minifsdp.launch import RankFailedError, spawn
 from minifsdp.memory import MemoryTracker, snapshot
+from minifsdp.mixed_precision import MixedPrecision, ShardedGradScaler
 from minifsdp.models import MLP, CharCorpus, GPTConfig, TinyGPT
+from minifsdp.prefetch import BackwardPrefetch
 from minifsdp.sharding import ShardingStrategy, hybrid_groups
 from minifsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from minifsdp.zero_formulas import model_state_bytes
@@ -42,6 +51,7 @@ __all__ = [
     "naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "count_bytes", "get_collectives",
     "DataParallel", "DistributedDataParallel", "DDP", "assign_buckets",
     "FullyShardedDataParallel", "FSDP", "ShardingStrategy", "hybrid_groups",
+    "BackwardPrefetch", "MixedPrecision", "ShardedGradScaler", "apply_activation_checkpointing",
     "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
     "FlatParamLayout", "build_layout", "flatten", "shard", "unflatten",
     "MemoryTracker", "snapshot", "model_state_bytes",
