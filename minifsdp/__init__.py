@@ -14,7 +14,7 @@ an earlier one's, never the reverse):
                             the FSDP unit, sharding strategies, auto-wrap policies
     2.3  memory.py, zero_formulas.py, activation_sizes.py
                             bytes per rank, measured from tensors; the ZeRO formulas
-    2.3  checkpointing.py   activation checkpointing of whole blocks
+    2.3  activation_checkpointing.py  recompute whole blocks in the backward
     2.5  prefetch.py, tracing.py
                             backward / forward prefetch, limit_all_gathers; event timelines
     4.1  mixed_precision.py MixedPrecision, ShardedGradScaler
@@ -23,8 +23,8 @@ an earlier one's, never the reverse):
          models.py          the tiny GPT and the MLP every chapter trains
 """
 
+from minifsdp.activation_checkpointing import apply_activation_checkpointing
 from minifsdp.buckets import assign_buckets
-from minifsdp.checkpointing import apply_activation_checkpointing
 from minifsdp.collectives import (
     count_bytes,
     get_collectives,

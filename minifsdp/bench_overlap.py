@@ -81,7 +81,7 @@ def _build(torch_side: bool, cfg, setting=None, limit=True, mp=None, ac=False):
             apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block), checkpoint_wrapper_fn=
                                            partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
         return model
-    from minifsdp.checkpointing import apply_activation_checkpointing
+    from minifsdp.activation_checkpointing import apply_activation_checkpointing
     from minifsdp.fsdp import FSDP
     from minifsdp.mixed_precision import MixedPrecision
     from minifsdp.prefetch import BackwardPrefetch

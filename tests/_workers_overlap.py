@@ -191,7 +191,7 @@ def checkpointing_worker():
         apply_activation_checkpointing as torch_apply,
     )
 
-    from minifsdp.checkpointing import apply_activation_checkpointing
+    from minifsdp.activation_checkpointing import apply_activation_checkpointing
     from minifsdp.memory import MemoryTracker
 
     out = {}
