@@ -129,14 +129,23 @@ def run_collectives_bench(args) -> int:
     big = [r["ratio_ours_over_gloo"] for r in rows if r["bytes"] >= 4 * KB * KB]
     if big:
         print(f"ours / gloo bus bandwidth from 4 MB up: min {min(big):.2f}, median {statistics.median(big):.2f}")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"({time.perf_counter() - started:.0f} s; ratio > 1 means ours is faster; "
-          f"load average {load:.1f} on {os.cpu_count()} CPUs: other work on the machine makes times noisy)")
+          f"load average {load_average():.1f} on {os.cpu_count()} CPUs: other work on the machine makes times noisy)")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-                "cpus": os.cpu_count(), "threads_per_rank": 1, "load_average_1min": load}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_bench_json(args.json, rows, threads_per_rank=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average: printed beside every figure, since other work skews times."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def write_bench_json(path: str, rows: list[dict], **meta) -> None:
+    """Write ``{"meta": machine + torch versions + load + meta, "rows": rows}`` to ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "load_average_1min": load_average(), **meta}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)

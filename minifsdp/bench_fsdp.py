@@ -32,15 +32,14 @@ the ratios are what to read, not the milliseconds.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import platform
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from minifsdp.bench import load_average, write_bench_json
 from minifsdp.launch import spawn
 from minifsdp.memory import MemoryTracker, snapshot
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
@@ -197,16 +196,11 @@ def run_fsdp_bench(args) -> int:
                         world_size=n, timeout_s=3600, threads_per_rank=1)
         rows += summarize(n, results, names)
     print(format_table(rows))
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"({time.perf_counter() - started:.0f} s; ratios are to torch FSDP1 in the same run: below 1 is faster / "
-          f"smaller; load average {load:.1f} on {os.cpu_count()} CPUs: other work makes times noisy)")
+          f"smaller; load average {load_average():.1f} on {os.cpu_count()} CPUs: other work makes times noisy)")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-                "cpus": os.cpu_count(), "threads_per_rank": 1, "config": args.config, "n_params": n_params,
-                "batch_size": args.batch_size, "block_size": cfg.block_size, "warmup": args.warmup,
-                "steps": args.steps, "reference": REFERENCE, "load_average": load}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_bench_json(args.json, rows, threads_per_rank=1, config=args.config, n_params=n_params,
+                         batch_size=args.batch_size, block_size=cfg.block_size, warmup=args.warmup,
+                         steps=args.steps, reference=REFERENCE)
         print(f"wrote {args.json}")
     return 0
