@@ -34,6 +34,7 @@ process is one rank) and returns every rank's result, gathered with
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import pickle
@@ -273,3 +274,12 @@ def init_process_group_for_this_attempt(backend: str = "gloo", timeout_s: float 
                           is_master=not agent_hosts_store and rank == 0, timeout=timeout)
     store = dist.PrefixStore(f"minifsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    # Tear the group down before the interpreter does: left to the garbage collector at
+    # exit, the store and gloo's threads can be destroyed in the wrong order (SIGABRT,
+    # "terminate called without an active exception").
+    atexit.register(_destroy_if_initialized)
+
+
+def _destroy_if_initialized() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
