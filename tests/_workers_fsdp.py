@@ -86,11 +86,18 @@ def torch_strategy(s: ShardingStrategy):
 
 
 def groups_for(strategy):
-    """(ours, torch's) process_group arguments: the 2 x 2 tuple for HYBRID_SHARD."""
+    """(ours, torch's) process_group arguments for HYBRID_SHARD (2 x 2), else (None, None).
+
+    Ours gets a 2-D DeviceMesh (replicate dim first, shard second), torch the
+    (shard_group, replicate_group) tuple over the same ranks: the bitwise test
+    then proves our mesh path builds exactly torch's groups.
+    """
     if strategy is ShardingStrategy.HYBRID_SHARD:
-        g = hybrid_groups(2)
-        return g, g
-    return None, None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2))
+        return {"device_mesh": mesh}, {"process_group": hybrid_groups(2)}
+    return {}, {}
 
 
 def run_variant(kind, strategy, opt_name, collectives="torch"):
@@ -98,10 +105,10 @@ def run_variant(kind, strategy, opt_name, collectives="torch"):
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    ours_pg, torch_pg = groups_for(strategy)
-    ours = FSDP(make_model(kind), process_group=ours_pg, sharding_strategy=strategy,
+    ours_groups, torch_groups = groups_for(strategy)
+    ours = FSDP(make_model(kind), **ours_groups, sharding_strategy=strategy,
                 auto_wrap_policy=policy(kind, True), collectives=collectives)
-    theirs = TorchFSDP(make_model(kind), process_group=torch_pg, sharding_strategy=torch_strategy(strategy),
+    theirs = TorchFSDP(make_model(kind), **torch_groups, sharding_strategy=torch_strategy(strategy),
                        auto_wrap_policy=policy(kind, False), device_id=torch.device("cpu"), use_orig_params=False)
     out = {}
     for name, model in (("ours", ours), ("torch", theirs)):
