@@ -32,9 +32,9 @@ def test_a_rank_killed_by_a_signal_is_reported():
 def test_a_receive_that_never_completes_times_out():
     t0 = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        minifsdp.spawn(w.wait_for_a_message_never_sent, world_size=2, timeout_s=5)
+        minifsdp.spawn(w.wait_for_a_message_never_sent, world_size=2, timeout_s=10)
     assert info.value.rank == 0
-    assert time.monotonic() - t0 < 45
+    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
