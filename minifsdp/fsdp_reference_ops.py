@@ -32,11 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from minifsdp.collectives import get_collectives
 from minifsdp.flat_param import shard
 from minifsdp.sharding import predivide_factor
-
-# torch >= 2.12 calls dist.reduce_scatter_tensor reduce_scatter_single (same semantics; the old name warns)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = ["flatten_and_shard", "unflatten", "reduce_scatter_gradient", "clip_grad_norm_sharded_"]
 
@@ -85,7 +83,7 @@ def reduce_scatter_gradient(full_grad: torch.Tensor, group=None) -> torch.Tensor
     if pre > 1:
         padded.div_(pre)
     out = torch.empty(padded.numel() // n, dtype=full_grad.dtype, device=full_grad.device)
-    _REDUCE_SCATTER(out, padded, group=group)
+    get_collectives("torch").reduce_scatter(out, padded, group=group)  # torch's own, like FSDP1
     post = n / pre
     if post > 1:
         out.div_(post)

@@ -35,6 +35,8 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 
+from minifsdp.collectives import get_collectives
+
 __all__ = ["ShardingStrategy", "ShardGroups", "resolve_groups", "predivide_factor", "Comm", "hybrid_groups"]
 
 
@@ -136,11 +138,6 @@ def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh) -> Sh
     return groups
 
 
-# torch >= 2.12 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single; same semantics.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 class _DoneWork:
     """What an already finished collective returns, so callers can always ``.wait()``."""
 
@@ -180,12 +177,8 @@ class Comm:
         if kind not in ("torch", "ring"):
             raise ValueError(f"collectives must be 'torch' or 'ring', got {kind!r}")
         self.kind = kind
-        self._ring = None
+        self._impl = get_collectives(kind)  # collectives.py: ours (ring) or torch.distributed's, one interface
         self.link_delay_s = 0.0  # bench only: simulated wire time per collective (see _LinkDelayedWork)
-        if kind == "ring":
-            from minifsdp.collectives import get_collectives
-
-            self._ring = get_collectives("ring")
 
     def _delayed(self, work):
         work = work if work is not None else _DoneWork()
@@ -194,22 +187,10 @@ class Comm:
         return work
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-        if self._ring is not None:
-            work = self._ring.all_gather(out, inp, group=group, async_op=async_op)
-        else:
-            work = _ALL_GATHER(out, inp, group=group, async_op=async_op)
-        return self._delayed(work)
+        return self._delayed(self._impl.all_gather(out, inp, group=group, async_op=async_op))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-        if self._ring is not None:
-            work = self._ring.reduce_scatter(out, inp, group=group, async_op=async_op)
-        else:
-            work = _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
-        return self._delayed(work)
+        return self._delayed(self._impl.reduce_scatter(out, inp, group=group, async_op=async_op))
 
     def all_reduce(self, t: torch.Tensor, group, async_op: bool = False):
-        if self._ring is not None:
-            work = self._ring.all_reduce(t, group=group, async_op=async_op)
-        else:
-            work = dist.all_reduce(t, group=group, async_op=async_op)
-        return self._delayed(work)
+        return self._delayed(self._impl.all_reduce(t, group=group, async_op=async_op))
