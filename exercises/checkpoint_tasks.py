@@ -7,7 +7,7 @@ hints are in ``exercises/README_checkpoint.md``.  Grade with::
 
 No process group is needed: each function is what *one* rank does with its own
 shard (4.3a) or with the files every rank wrote (4.3b).  The reference solution is
-``minifsdp/checkpoint_reshard.py``; do not peek before you have tried.
+``minifsdp/checkpoint/pieces.py``; do not peek before you have tried.
 """
 
 from __future__ import annotations

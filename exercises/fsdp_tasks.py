@@ -10,7 +10,7 @@ The task text and hints are in ``exercises/README_fsdp.md``.  Grade with::
 
     pytest tests/exercises/test_fsdp_exercises.py --impl=student        # or -k 2.1b for one task
 
-The reference solutions are in ``minifsdp/fsdp_reference_ops.py`` (read them after you are done).
+The reference solutions are in ``minifsdp/fsdp/reference_ops.py`` (read them after you are done).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ The task text and hints are in ``exercises/README_overlap.md``.  Grade with::
 
     pytest tests/exercises/test_overlap_exercises.py --impl=student      # or -k 4.2b for one task
 
-The reference solutions: ``minifsdp.prefetch.prefetch_target``,
-``minifsdp.mixed_precision.MixedPrecision.dtypes_for`` and
-``minifsdp.mixed_precision.reduce_gradient_shard`` (read them after you are done).
+The reference solutions: ``minifsdp.fsdp.prefetch.prefetch_target``,
+``minifsdp.fsdp.mixed_precision.MixedPrecision.dtypes_for`` and
+``minifsdp.fsdp.mixed_precision.reduce_gradient_shard`` (read them after you are done).
 """
 
 from __future__ import annotations

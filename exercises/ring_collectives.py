@@ -54,7 +54,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> None:
     ``tensor`` may have any size: we pad the flattened tensor with zeros up to a multiple
     of N (zeros do not change a sum), reduce-scatter it so rank r owns the summed chunk r,
     all-gather the chunks back, and drop the padding.  (minifsdp's own version avoids the
-    padding copy with uneven chunks; see minifsdp/ring.py.)
+    padding copy with uneven chunks; see minifsdp/comm/ring.py.)
     """
     n = dist.get_world_size(group)
     flat = tensor.reshape(-1)

@@ -1,31 +1,24 @@
 """minifsdp: Fully Sharded Data Parallel from scratch, proven against torch.
 
-Chapters and the modules that build them (a later chapter's module may import
-an earlier one's, never the reverse):
+The package follows the book.  Its top level holds only what every chapter uses;
+each chapter has a subpackage.  The subpackages are layers, and a module imports
+only its own layer or a lower one, with no cycles (``tests/test_layout.py`` checks
+both): comm < ddp < fsdp, memory < checkpoint < tools.  ``comm`` (chapter 2.2) sits
+below ``ddp`` (chapter 1) because both DDP and FSDP send their gradients through it.
 
-    1    launch.py          local ranks: real processes on gloo, failures surfaced
-    1    notebook.py        %%ranks: a notebook cell run on N real processes
-    1    data_parallel.py   torch.nn.DataParallel's recipe, by hand (and its bottleneck)
-    1    buckets.py, ddp.py DistributedDataParallel from scratch
-    2.2  ring.py, collectives.py, comm_stream.py, ring_sim.py
-                            naive and ring all-reduce, ring reduce-scatter / all-gather
-    2.1  flat_param.py      flatten, pad, shard, unflatten views
-    2    sharding.py, fsdp*.py, wrap.py
-                            the FSDP unit, sharding strategies, auto-wrap policies
-    2.3  memory.py, zero_formulas.py, activation_sizes.py
-                            bytes per rank, measured from tensors; the ZeRO formulas
-    2.3  activation_checkpointing.py  recompute whole blocks in the backward
-    2.5  prefetch.py, tracing.py
-                            backward / forward prefetch, limit_all_gathers; event timelines
-    4.1  mixed_precision.py MixedPrecision, ShardedGradScaler
-    4.3  checkpoint*.py, resume.py
-                            state dicts, atomic save / load, resharding (``from minifsdp import checkpoint``)
-         models.py          the tiny GPT and the MLP every chapter trains
+    launch.py, notebook.py, models.py, data/    every chapter: local ranks, %%ranks, the models, the corpus
+    ddp/          ch 1    DataParallel by hand, buckets, DistributedDataParallel
+    comm/         ch 2.2  the ring: naive and ring all-reduce, reduce-scatter, all-gather
+    fsdp/         ch 2    flat parameters, sharding, the unit and its handle, wrapping, prefetch,
+                  ch 4.1  mixed precision, activation checkpointing, full parameters and state dicts
+    memory/       ch 2.3  bytes per rank measured from tensors; the ZeRO formulas
+    checkpoint/   ch 4.3  save / load at any world size, atomic files, resume
+    tools/                the main job (``python -m minifsdp compare``), benches, timelines, plots
+
+Every name below is importable from ``minifsdp`` directly, named as in torch.
 """
 
-from minifsdp.activation_checkpointing import apply_activation_checkpointing
-from minifsdp.buckets import assign_buckets
-from minifsdp.collectives import (
+from minifsdp.comm import (
     count_bytes,
     get_collectives,
     naive_all_reduce,
@@ -33,18 +26,27 @@ from minifsdp.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from minifsdp.data_parallel import DataParallel
-from minifsdp.ddp import DDP, DistributedDataParallel
-from minifsdp.flat_param import FlatParamLayout, build_layout, flatten, shard, unflatten
-from minifsdp.fsdp import FSDP, FullyShardedDataParallel
+from minifsdp.ddp import DDP, DataParallel, DistributedDataParallel, assign_buckets
+from minifsdp.fsdp import (
+    FSDP,
+    BackwardPrefetch,
+    FlatParamLayout,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardedGradScaler,
+    ShardingStrategy,
+    apply_activation_checkpointing,
+    build_layout,
+    flatten,
+    hybrid_groups,
+    shard,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    unflatten,
+)
 from minifsdp.launch import RankFailedError, spawn
-from minifsdp.memory import MemoryTracker, snapshot
-from minifsdp.mixed_precision import MixedPrecision, ShardedGradScaler
+from minifsdp.memory import MemoryTracker, model_state_bytes, snapshot
 from minifsdp.models import MLP, CharCorpus, GPTConfig, TinyGPT
-from minifsdp.prefetch import BackwardPrefetch
-from minifsdp.sharding import ShardingStrategy, hybrid_groups
-from minifsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-from minifsdp.zero_formulas import model_state_bytes
 
 __all__ = [
     "spawn", "RankFailedError",

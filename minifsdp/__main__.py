@@ -1,3 +1,3 @@
-from minifsdp.cli import main
+from minifsdp.tools.cli import main
 
 raise SystemExit(main())

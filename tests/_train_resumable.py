@@ -28,10 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import minifsdp
-from minifsdp import checkpoint, resume
+from minifsdp import checkpoint
+from minifsdp.checkpoint import resume
 from minifsdp.fsdp import FSDP
+from minifsdp.fsdp.wrap import size_based_auto_wrap_policy
 from minifsdp.models import MLP
-from minifsdp.wrap import size_based_auto_wrap_policy
 
 STEPS, EVERY = 8, 2
 DIMS = (16, 32, 32, 8)

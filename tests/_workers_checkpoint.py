@@ -16,13 +16,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from minifsdp import checkpoint, resume
-from minifsdp.checkpoint_dcp import load_dcp, save_dcp
-from minifsdp.checkpoint_io import rank_file
+from minifsdp import checkpoint
+from minifsdp.checkpoint import resume
+from minifsdp.checkpoint.dcp import load_dcp, save_dcp
+from minifsdp.checkpoint.files import rank_file
 from minifsdp.fsdp import FSDP, ShardingStrategy
+from minifsdp.fsdp.sharding import hybrid_groups
+from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
 from minifsdp.models import Block, CharCorpus, TinyGPT
-from minifsdp.sharding import hybrid_groups
-from minifsdp.wrap import transformer_auto_wrap_policy
 
 _CORPUS = []
 
@@ -254,7 +255,7 @@ def dcp_check(root: str) -> dict:
 
 def pieces_match(model, opt, full: dict, full_osd: dict | None) -> list[str]:
     """Local check, no communication: every number this rank holds equals the saved whole tensor's."""
-    from minifsdp.checkpoint_reshard import holders
+    from minifsdp.checkpoint.pieces import holders
 
     bad = []
     for h in holders(model):

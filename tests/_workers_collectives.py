@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from minifsdp import collectives as C
-from minifsdp.ring import chunk_bounds
+from minifsdp.comm import collectives as C
+from minifsdp.comm.ring import chunk_bounds
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minifsdp.fsdp import FSDP, ShardingStrategy
+from minifsdp.fsdp.sharding import hybrid_groups
+from minifsdp.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from minifsdp.models import MLP, Block, CharCorpus, TinyGPT
-from minifsdp.sharding import hybrid_groups
-from minifsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 STEPS = 5
 BATCH = 4

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.fsdp import FSDP, ShardingStrategy
-from minifsdp.mixed_precision import MixedPrecision, ShardedGradScaler
+from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
 from minifsdp.models import Block, TinyGPT
 from tests._workers_fsdp import batch, policy, to_numpy, torch_strategy
 
@@ -191,7 +191,7 @@ def checkpointing_worker():
         apply_activation_checkpointing as torch_apply,
     )
 
-    from minifsdp.activation_checkpointing import apply_activation_checkpointing
+    from minifsdp.fsdp.activation_checkpointing import apply_activation_checkpointing
     from minifsdp.memory import MemoryTracker
 
     out = {}
@@ -234,7 +234,7 @@ PREFETCH_SETTINGS = {
 def _settings(name, torch_side):
     from torch.distributed.fsdp import BackwardPrefetch as TorchBP
 
-    from minifsdp.prefetch import BackwardPrefetch
+    from minifsdp.fsdp.prefetch import BackwardPrefetch
 
     kw = dict(PREFETCH_SETTINGS[name])
     bp = kw["backward_prefetch"]
@@ -244,8 +244,9 @@ def _settings(name, torch_side):
 
 def prefetch_worker():
     """Every prefetch setting: ours vs torch FSDP1 (same setting) and vs ours without prefetch; traces."""
-    from minifsdp.prefetch import alive_units
-    from minifsdp.tracing import Tracer
+    from minifsdp.fsdp.prefetch import alive_units
+    from minifsdp.fsdp.units import units
+    from minifsdp.tools.tracing import Tracer
 
     out = {}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
@@ -263,7 +264,7 @@ def prefetch_worker():
 
                     def start(prefetch=False, orig=orig, alive=alive, root=ours):
                         orig(prefetch=prefetch)
-                        alive.append(alive_units(root))
+                        alive.append(alive_units(units(root)))
 
                     h.start_unshard = start
             with Tracer(ours) as tr:
@@ -286,7 +287,7 @@ def _trace_files(model, tr):
     import matplotlib
 
     matplotlib.use("Agg")
-    from minifsdp.tracing import Tracer, profile_to_chrome_trace
+    from minifsdp.tools.tracing import Tracer, profile_to_chrome_trace
 
     folder = tempfile.mkdtemp(prefix="minifsdp_trace_")
     png, ours_json, prof_json = (os.path.join(folder, n) for n in ("gantt.png", "ours.json", "profiler.json"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import minifsdp
-from minifsdp.activation_checkpointing import apply_activation_checkpointing, checkpoint
+from minifsdp.fsdp.activation_checkpointing import apply_activation_checkpointing, checkpoint
 from minifsdp.models import Block, TinyGPT
 from tests import _workers_overlap as W
 

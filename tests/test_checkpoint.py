@@ -19,7 +19,7 @@ import torch
 
 import minifsdp
 from minifsdp import checkpoint
-from minifsdp.checkpoint_io import CheckpointManager
+from minifsdp.checkpoint import CheckpointManager
 from minifsdp.models import MLP, TinyGPT
 from tests import _workers_checkpoint as w
 
@@ -162,7 +162,7 @@ def test_nothing_saved_is_lost(tmp_path, monkeypatch):
     with pytest.raises(checkpoint.CheckpointError, match="already there; pass overwrite=True"):
         checkpoint.save(mgr.path(3), model, opt)
 
-    import minifsdp.checkpoint as ck
+    import minifsdp.checkpoint.save_load as ck
 
     def die(*a, **k):
         raise OSError("disk full (simulated)")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import minifsdp
-from minifsdp import collectives as C
-from minifsdp.ring_sim import RingStep, print_ring, simulate_ring_all_reduce
+from minifsdp.comm import collectives as C
+from minifsdp.comm.ring_sim import RingStep, print_ring, simulate_ring_all_reduce
 from tests import _workers_collectives as W
 
 

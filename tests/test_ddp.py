@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 import minifsdp
-from minifsdp.buckets import assign_buckets, fill_buckets
-from minifsdp.data_parallel import DataParallel
 from minifsdp.ddp import DistributedDataParallel
+from minifsdp.ddp.buckets import assign_buckets, fill_buckets
+from minifsdp.ddp.data_parallel import DataParallel
 from minifsdp.models import MLP, CharCorpus, TinyGPT
 from tests import _workers_ddp as w
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 from minifsdp import spawn
-from minifsdp.memory import CATEGORIES, MemoryTracker, activation_sizes, register_activation_size_hooks, snapshot
-from minifsdp.models import CharCorpus, TinyGPT
-from minifsdp.zero_formulas import (
+from minifsdp.memory.activation_sizes import activation_sizes, register_activation_size_hooks
+from minifsdp.memory.tracker import CATEGORIES, MemoryTracker, snapshot
+from minifsdp.memory.zero_formulas import (
     format_rows,
     memory_rows,
     model_state_bytes,
@@ -25,6 +25,7 @@ from minifsdp.zero_formulas import (
     plot_timeline,
     sharded_numel,
 )
+from minifsdp.models import CharCorpus, TinyGPT
 from tests._workers_memory import measure_setups
 
 matplotlib.use("Agg")

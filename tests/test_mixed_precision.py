@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import minifsdp
-from minifsdp.mixed_precision import MixedPrecision, ShardedGradScaler
+from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
 from tests import _workers_overlap as W
 
 CASES = [(name, s) for name in W.MP_CASES for s in ("FULL_SHARD", "SHARD_GRAD_OP")] + [("bf16", "orig_params")]

@@ -76,7 +76,7 @@ def test_magic_in_an_ipython_shell(capsys, monkeypatch):
 
 
 def test_viz_ring_replay_matches_the_simulated_buffers():
-    """Oracle: minifsdp.ring_sim's buffers.  Rank r contributes 2**r everywhere, so a
+    """Oracle: minifsdp.comm.ring_sim's buffers.  Rank r contributes 2**r everywhere, so a
     chunk's value names exactly whose data it holds; viz's replay of the step records
     must say the same after every step (exact: small integers in fp32)."""
     import matplotlib
@@ -84,8 +84,8 @@ def test_viz_ring_replay_matches_the_simulated_buffers():
     matplotlib.use("Agg")
     import torch
 
-    from minifsdp import viz
-    from minifsdp.ring_sim import simulate_ring_all_reduce
+    from minifsdp.comm.ring_sim import simulate_ring_all_reduce
+    from minifsdp.tools import viz
 
     n = 4
     trace = simulate_ring_all_reduce([torch.full((8,), 2.0**r) for r in range(n)])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import minifsdp
-from minifsdp.prefetch import BackwardPrefetch, ExecutionOrder
+from minifsdp.fsdp.prefetch import BackwardPrefetch, ExecutionOrder
 from tests import _workers_overlap as W
 
 
@@ -113,14 +113,17 @@ def _fake_unit(unsharded: bool):
     """A stand-in for an FSDP unit: just the fields prefetch() and alive_units() read."""
     from types import SimpleNamespace
 
-    handle = SimpleNamespace(sharded=True, is_unsharded=unsharded, ag_work=None, started=0)
+    from minifsdp.fsdp.state import HandleState, TrainingState
+
+    handle = SimpleNamespace(sharded=True, state=HandleState.UNSHARDED if unsharded else HandleState.SHARDED,
+                             started=0)
 
     def start_unshard(prefetch):
-        handle.ag_work = "in flight"
+        handle.state = HandleState.GATHERING
         handle.started += 1
 
     handle.start_unshard = start_unshard
-    return SimpleNamespace(_handle=handle, _pre_backward_done=False, _expects_backward=True)
+    return SimpleNamespace(_handle=handle, training_state=TrainingState.AWAITING_BACKWARD)
 
 
 @pytest.mark.parametrize("limit", [True, False])
@@ -128,12 +131,12 @@ def test_limit_all_gathers_refuses_a_third_unit(limit):
     """The rate limiter itself: with two units already gathered, a third prefetch waits (limit on) or goes."""
     from types import SimpleNamespace
 
-    from minifsdp.prefetch import alive_units, prefetch
+    from minifsdp.fsdp.prefetch import alive_units, prefetch
 
     a, b, c = _fake_unit(True), _fake_unit(True), _fake_unit(False)
-    root = SimpleNamespace(_units=[a, b, c], _handle=None, limit_all_gathers=limit)
-    root._units.insert(0, root)
-    assert alive_units(root) == 2
-    issued = prefetch(root, c, in_backward=False)
+    root = SimpleNamespace(_handle=None)
+    units = [root, a, b, c]  # the root first, as units.units(root) lists them
+    assert alive_units(units) == 2
+    issued = prefetch(c, units, limit, in_backward=False)
     assert issued is (not limit) and c._handle.started == (0 if limit else 1)
-    assert alive_units(root) == (2 if limit else 3)
+    assert alive_units(units) == (2 if limit else 3)

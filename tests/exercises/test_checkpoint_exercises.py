@@ -1,5 +1,5 @@
 """Grades tasks 4.3a-b (sharded checkpoint, loaded at another world size): ``--impl=reference``
-checks minifsdp.checkpoint_reshard, ``--impl=student`` the stubs in exercises/checkpoint_tasks.py.
+checks minifsdp.checkpoint.pieces, ``--impl=student`` the stubs in exercises/checkpoint_tasks.py.
 
 No process group: each function is one rank's work, so every world size is graded in-process.
 Oracle: built number by number in this file (which parameter and index each flat position
@@ -14,7 +14,7 @@ import torch
 
 from minifsdp.models import TinyGPT
 
-MODULES = {"reference": "minifsdp.checkpoint_reshard", "student": "exercises.checkpoint_tasks"}
+MODULES = {"reference": "minifsdp.checkpoint.pieces", "student": "exercises.checkpoint_tasks"}
 
 LAYOUTS = {
     "readme": [("w", 6), ("b", 2), ("s", 1)],

@@ -10,7 +10,7 @@ from minifsdp.models import TinyGPT
 
 @pytest.fixture
 def assign_buckets(impl):
-    module = "minifsdp.buckets" if impl == "reference" else "exercises.ddp_bucketing"
+    module = "minifsdp.ddp.buckets" if impl == "reference" else "exercises.ddp_bucketing"
     return importlib.import_module(module).assign_buckets
 
 

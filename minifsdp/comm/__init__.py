@@ -1,0 +1,22 @@
+"""Chapter 2.2: collectives written by hand on point-to-point messages.
+
+    ring.py         the ring itself: chunk bounds, one send/receive step, byte counting
+    collectives.py  naive and ring all-reduce, ring reduce-scatter / all-gather, and
+                    ``get_collectives("ring" | "torch")``: ours or torch.distributed's behind one interface
+    stream.py       one background thread per group, so asynchronous collectives keep their order
+    ring_sim.py     the ring all-reduce simulated in one process, step by step (for pictures)
+
+Nothing here knows about models: FSDP and DDP call these with flat tensors.
+"""
+
+from minifsdp.comm.collectives import (
+    count_bytes,
+    get_collectives,
+    naive_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
+
+__all__ = ["naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "count_bytes",
+           "get_collectives"]

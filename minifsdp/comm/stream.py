@@ -1,0 +1,112 @@
+"""A "communication stream": one background thread per process group that runs collectives in order.
+
+Why?  ``dist.all_reduce(t, async_op=True)`` returns at once and the caller keeps
+computing while the bytes move; DDP overlaps its gradient all-reduces with the
+rest of backward exactly this way.  Our ring collectives are a loop of
+send/receive steps written in Python, so to run them "in the background" we
+hand the whole loop to a worker thread and return a handle::
+
+    caller thread                      comm stream of `group` (one thread, FIFO)
+    -------------                      -----------------------------------------
+    w1 = ring_all_reduce(a, async_op=True) --> [ ring over a ]
+    w2 = ring_all_reduce(b, async_op=True) -->                [ ring over b ]
+    ... keeps computing ...
+    w1.wait(); w2.wait()               <-- done events set as each job finishes
+
+Note (issue order): a stream runs its jobs one at a time, in the order they
+were submitted.  Every rank submits the same collectives in the same order
+(the rule of all collectives, torch's too), so the k-th ring on rank 0 talks to
+the k-th ring on rank 1, and the messages of two collectives never interleave.
+A synchronous call is just ``submit(job).wait()``, so it also queues behind the
+async ones issued before it.  This is the CPU counterpart of a CUDA stream that
+NCCL collectives are enqueued on.
+
+Note (one stream per group): the streams live in a small table keyed by the
+process group object.  Two groups get two threads; their messages cannot mix
+because torch gives every process group its own connections.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable
+
+__all__ = ["Work", "CommStream", "stream_for"]
+
+
+class Work:
+    """Handle of a collective that may still be running (like torch's ``dist.Work``).
+
+    ``wait()`` blocks until it finished and re-raises its error, if any, in the
+    calling thread.  ``is_completed()`` asks without blocking.
+    """
+
+    def __init__(self, name: str = "collective"):
+        self.name = name
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the collective finished; raise its error here if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.name} did not finish within {timeout} s.")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the collective finished (successfully or not); never blocks."""
+        return self._done.is_set()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else ("done" if self.is_completed() else "running")
+        return f"Work({self.name}, {state})"
+
+
+class CommStream:
+    """A FIFO queue of jobs and the one daemon thread that runs them, in order."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.workspace: dict = {}  # scratch buffers the jobs may reuse (they run one at a time)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"minifsdp-comm-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any], name: str = "collective") -> Work:
+        """Queue ``job`` behind every job submitted before it; return its handle."""
+        work = Work(name)
+        self._jobs.put((job, work))
+        return work
+
+    def synchronize(self) -> None:
+        """Wait until every job submitted so far has finished."""
+        self.submit(lambda: None, "synchronize").wait()
+
+    def _run(self) -> None:
+        while True:
+            job, work = self._jobs.get()
+            try:
+                job()
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits
+                work._finish(error)
+            else:
+                work._finish()
+
+
+_STREAMS: dict[Any, CommStream] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def stream_for(group: Any) -> CommStream:
+    """The communication stream of ``group`` (created on first use)."""
+    with _STREAMS_LOCK:
+        stream = _STREAMS.get(group)
+        if stream is None:
+            stream = _STREAMS[group] = CommStream(name=str(id(group)))
+        return stream

@@ -1,0 +1,34 @@
+"""Chapters 2 and 4.1: Fully Sharded Data Parallel, one concept per module.
+
+Read in this order (each module imports only those above it):
+
+    units.py            what an FSDP unit is; list the units; the plain model's names
+    state.py            a unit's and a handle's state, as enums (what each holds in memory)
+    flat_param.py       ch 2.1: flatten, pad, shard, unflatten views
+    sharding.py         ch 2.1: strategies, process groups, the gradient divide factors, FSDP's collectives
+    mixed_precision.py  ch 4.1: MixedPrecision (the dtypes a handle gathers and reduces in), ShardedGradScaler
+    handle.py           one unit's tensors and collectives: gather, free, reduce-scatter
+    prefetch.py         ch 2.5: which unit's all-gather to start early, and the rate limit
+    events.py           what a unit reports to an attached tracer (``tools/tracing.py`` records it)
+    checks.py           bad input at wrap time: devices, weights that differ across ranks, a stale optimizer
+    wrap.py             ch 2.5: auto-wrap policies
+    fully_sharded.py    FullyShardedDataParallel: the module users see; hooks, order, state
+    full_params.py      summon_full_params, clip_grad_norm_, the full state dict
+    activation_checkpointing.py  ch 2.3: recompute whole blocks in the backward
+    reference_ops.py    ch 2.1: flatten/shard, reduce-scatter, clip as standalone functions (exercises)
+"""
+
+from minifsdp.fsdp.activation_checkpointing import apply_activation_checkpointing
+from minifsdp.fsdp.flat_param import FlatParamLayout, build_layout, flatten, shard, unflatten
+from minifsdp.fsdp.fully_sharded import FSDP, FullyShardedDataParallel
+from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
+from minifsdp.fsdp.prefetch import BackwardPrefetch
+from minifsdp.fsdp.sharding import ShardingStrategy, hybrid_groups
+from minifsdp.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+__all__ = [
+    "FullyShardedDataParallel", "FSDP", "ShardingStrategy", "hybrid_groups", "BackwardPrefetch",
+    "MixedPrecision", "ShardedGradScaler", "apply_activation_checkpointing",
+    "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+    "FlatParamLayout", "build_layout", "flatten", "shard", "unflatten",
+]

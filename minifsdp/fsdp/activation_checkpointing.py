@@ -1,0 +1,119 @@
+"""Activation checkpointing (chapters 2.3, 2.5): keep a block's input, recompute the rest in backward.
+
+A Block's forward saves ~a dozen tensors for its backward (layer-norm
+statistics, the attention matrix, the MLP's 4x-wide hidden state...).  With
+checkpointing it saves *nothing* but a reference to its input; in the backward,
+the first time autograd asks for one of those tensors, the block's forward runs
+again (under grad, same RNG state) and hands back the recomputed tensors:
+
+    forward    x0 -> [block 0] -> x1 -> [block 1] -> x2 -> loss     kept: x0, x1, x2 (+ the graph)
+    backward   loss ... needs block 1's saved tensors -> rerun block 1 from x1 -> its gradients
+                        needs block 0's saved tensors -> rerun block 0 from x0 -> its gradients
+
+Cost: one extra forward of every checkpointed block (about +1/3 of a step's
+compute, since a backward costs about two forwards); gain: a block's activations
+live only while its own backward runs.
+
+How (non-reentrant, as ``torch.utils.checkpoint(use_reentrant=False)``): the
+forward runs under ``saved_tensors_hooks`` whose *pack* hook stores an index
+instead of the tensor; the *unpack* hook, on first use, reruns the forward with
+a pack hook that collects the tensors in the same order, and returns the
+i-th.  The autograd graph of the first forward is kept, so gradients flow
+along it to the parameters exactly as without checkpointing.
+
+Note (with FSDP, the order torch recommends): checkpoint *inside* the FSDP
+unit, i.e. the Block's own forward is checkpointed, and FSDP's unit around it
+gathers the parameters for the forward and again (pre-backward hook) before
+the recompute.  ``apply_activation_checkpointing`` works before or after
+wrapping: it patches the forward of each module ``check_fn`` picks, so the
+parameter names (and state dicts) stay the plain model's.  torch wraps the
+module in a ``CheckpointWrapper`` instead and strips its name prefix in state
+dicts; the computation is the same.
+
+Note (bitwise): the recompute performs the same ops on the same inputs, so on
+CPU every gradient is bitwise equal to the run without checkpointing
+(``tests/test_activation_checkpointing.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from minifsdp.fsdp.units import is_unit
+
+__all__ = ["checkpoint", "apply_activation_checkpointing", "is_checkpointed"]
+
+
+class _Recomputation:
+    """The tensors one checkpointed call would have saved, recomputed on first demand."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.rng_state = torch.get_rng_state()
+        self.saved: list[torch.Tensor | None] | None = None
+
+    def get(self, index: int) -> torch.Tensor:
+        if self.saved is None or self.saved[index] is None:
+            self.saved = self._rerun()
+        t, self.saved[index] = self.saved[index], None  # hand it over once: memory goes with it
+        return t
+
+    def _rerun(self) -> list[torch.Tensor]:
+        collected: list[torch.Tensor] = []
+
+        def pack(t):
+            collected.append(t.detach() if t.requires_grad else t)  # values only: no graph kept alive
+            return len(collected) - 1
+
+        # Inputs cut from the first forward's graph: the recompute builds a throw-away graph of its own.
+        args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                     for a in self.args)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(self.rng_state)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda i: collected[i]):
+                self.fn(*args, **self.kwargs)
+        return collected
+
+
+def checkpoint(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, saving none of its intermediate tensors for backward (see module docstring)."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    frame = _Recomputation(fn, args, kwargs)
+    counter = iter(range(1 << 62))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: next(counter), frame.get):
+        return fn(*args, **kwargs)
+
+
+def _checkpointed_forward(original_forward, *args, **kwargs):
+    return checkpoint(original_forward, *args, **kwargs)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return "_minifsdp_original_forward" in module.__dict__
+
+
+def apply_activation_checkpointing(model: nn.Module, check_fn: Callable[[nn.Module], bool]) -> nn.Module:
+    """Checkpoint every submodule for which ``check_fn(module)`` is true, e.g. ``lambda m: isinstance(m, Block)``.
+
+    Works on a plain model or an FSDP-wrapped one (FSDP units themselves are
+    never checkpointed: their hooks must run once).  Returns ``model``.
+    """
+    picked = [m for m in model.modules() if check_fn(m)]
+    for m in picked:
+        if is_unit(m):
+            raise ValueError("check_fn picked an FSDP unit; checkpoint the module inside it instead "
+                             "(check_fn=lambda m: isinstance(m, Block), which matches the wrapped Block)")
+        if is_checkpointed(m):
+            continue
+        original = m.forward
+        m.__dict__["_minifsdp_original_forward"] = original
+        m.forward = functools.partial(_checkpointed_forward, original)
+    if not picked:
+        raise ValueError("apply_activation_checkpointing: check_fn matched no module; e.g. "
+                         "check_fn=lambda m: isinstance(m, Block)")
+    return model

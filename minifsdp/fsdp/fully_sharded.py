@@ -1,0 +1,381 @@
+"""FullyShardedDataParallel (chapter 2): a module whose parameters live sharded across ranks.
+
+    model = FSDP(TinyGPT(), auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # AFTER wrapping: it steps the local shards
+    loss = model(x, y); loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+
+Each wrapped module is a *unit* with one flat parameter (``flat_param.py``).  A
+step, for a root with two nested units, FULL_SHARD (AG = all-gather, RS =
+reduce-scatter):
+
+    forward:   AG root | AG b0, run b0, free b0 | AG b1, run b1, free b1 | run root tail
+    backward:           AG b1, grad b1, RS b1, free | AG b0, grad b0, wait RS b1, RS b0, free | grad root, ...
+    end:       final callback at the root: wait for the last RS, grads land in each unit's flat_param.grad
+
+Collectives are asynchronous: a reduce-scatter runs while the next unit computes
+(at most one in flight: each unit's post-backward finishes the previous unit's),
+and with prefetching (``prefetch.py``) so does the next unit's all-gather.
+
+Two objects per unit, each with one job, and calls go one way (unit -> handle):
+
+    FullyShardedDataParallel (this module)   hooks, order, TrainingState: decides *when*
+    FlatParamHandle (``handle.py``)           tensors and collectives, HandleState: does *what*
+
+Mixed precision: ``mixed_precision.py``; activation checkpointing:
+``activation_checkpointing.py``; summon, clipping and state dicts:
+``full_params.py``; a timeline of it all: ``minifsdp/tools/tracing.py``.
+
+Note (root): the outermost unit whose forward runs first is the root.  It keeps
+the :class:`RootStep` (its units, their order, the final callback), checks the
+step's order (one forward per backward unless the shards are unchanged) and owns
+``clip_grad_norm_``.
+
+Note (the optimizer): ``model.parameters()`` after wrapping yields each unit's
+``flat_param`` (the local 1-D shard; with ``use_orig_params=True``, the
+original parameters as views into it).  An optimizer built *before* wrapping
+holds the old tensors, which no longer train: its first ``step()`` raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from minifsdp.fsdp import full_params
+from minifsdp.fsdp.checks import (
+    broadcast_from_rank0,
+    check_one_device,
+    check_same_on_all_ranks,
+    install_optimizer_check,
+)
+from minifsdp.fsdp.events import span
+from minifsdp.fsdp.handle import FlatParamHandle
+from minifsdp.fsdp.mixed_precision import MixedPrecision, cast_floating
+from minifsdp.fsdp.prefetch import BackwardPrefetch, ExecutionOrder, prefetch
+from minifsdp.fsdp.sharding import RESHARD_AFTER_FORWARD, Comm, ShardingStrategy, resolve_groups
+from minifsdp.fsdp.state import TrainingState
+from minifsdp.fsdp.units import Unit, clean_name, units
+from minifsdp.fsdp.wrap import recursive_wrap
+
+__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "RootStep"]
+
+
+@dataclass
+class RootStep:
+    """What only the root keeps: every unit below it, the order they ran in, this step's bookkeeping."""
+
+    units: list  # every unit under the root, the root first (units.units(root))
+    order: ExecutionOrder = field(default_factory=ExecutionOrder)  # prefetch.py
+    final_callback_queued: bool = False  # at most one final callback per backward
+    versions_at_forward: list[int] | None = None  # the shards' versions at the last forward that awaits a backward
+
+
+class FullyShardedDataParallel(Unit):
+    """Shard ``module``'s parameters over ``process_group``; arguments named and meant as torch's.
+
+    Args:
+        module: the module to shard (all parameters and buffers on one device).
+        process_group: the ranks to shard over (default: all); for HYBRID_SHARD a
+            tuple ``(shard_group, replicate_group)``.
+        sharding_strategy: a :class:`ShardingStrategy`.
+        auto_wrap_policy: e.g. ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
+        use_orig_params: show the original parameters (views of the local shard) instead of flat ones.
+        device_id: move the module there first (``torch.device("cpu")``, or a CUDA index).
+        sync_module_states: copy rank 0's parameters and buffers to every rank at wrap time.
+        device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.
+        collectives: ``"torch"`` (torch.distributed's) or ``"ring"`` (ours, ``minifsdp.comm.collectives``).
+        mixed_precision: a :class:`~minifsdp.fsdp.mixed_precision.MixedPrecision` (fp32 master shards,
+            compute in ``param_dtype``, reduce in ``reduce_dtype``), as torch FSDP1's.
+        backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (torch's default), ``BACKWARD_POST`` or None
+            (``prefetch.py``); forward_prefetch: prefetch in the forward too, in the first iteration's order;
+        limit_all_gathers: a prefetch waits while two non-root units' full parameters are alive or
+            in flight (an all-gather a unit needs right now is never refused).
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
+                 auto_wrap_policy=None, use_orig_params: bool = False, device_id=None,
+                 sync_module_states: bool = False, device_mesh=None, collectives: str = "torch",
+                 mixed_precision: MixedPrecision | None = None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError("FSDP needs a process group: call dist.init_process_group first "
+                               "(or run your function with minifsdp.spawn).")
+        if isinstance(sharding_strategy, str):
+            sharding_strategy = ShardingStrategy[sharding_strategy]
+        self.groups = resolve_groups(sharding_strategy, process_group, device_mesh)
+        if sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) \
+                and self.groups.shard_size == 1:
+            warnings.warn("FSDP on 1 rank: nothing to shard, using NO_SHARD (as torch does)", stacklevel=2)
+            sharding_strategy = ShardingStrategy.NO_SHARD
+        self.sharding_strategy = sharding_strategy
+        self.use_orig_params = use_orig_params
+        self.comm = Comm(collectives)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError("mixed_precision takes a minifsdp MixedPrecision(param_dtype=..., reduce_dtype=...), "
+                            f"got {type(mixed_precision).__name__} (there is no mixed_precision=True)")
+        self.mixed_precision = mixed_precision
+        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+            raise TypeError("backward_prefetch takes BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST "
+                            f"or None, got {backward_prefetch!r}")
+        self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        if auto_wrap_policy is not None:
+            kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy,
+                          use_orig_params=use_orig_params, device_id=device_id,
+                          sync_module_states=sync_module_states, device_mesh=device_mesh, collectives=collectives,
+                          mixed_precision=mixed_precision, backward_prefetch=backward_prefetch,
+                          forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
+            recursive_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **kwargs),
+                           only_wrap_children=True)
+        if device_id is not None:
+            module.to(torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id))
+        self._fsdp_wrapped_module = module
+        params = [p for p in module.parameters() if not _is_managed(p)]
+        buffers = _own_buffers(module)
+        check_one_device(module, params, buffers)
+        if sync_module_states:
+            broadcast_from_rank0(self.groups, params + buffers)
+        else:
+            check_same_on_all_ranks(self.groups, module, params, buffers)
+        self._handle = None
+        if params:
+            self._handle = FlatParamHandle(module, params, self.groups, sharding_strategy, use_orig_params, self.comm,
+                                           mixed_precision)
+            self._handle.take_over_params()
+            if not use_orig_params:
+                self.register_parameter("_flat_param", self._handle.flat_param)
+        self.training_state = TrainingState.IDLE
+        self._root: FullyShardedDataParallel | None = None  # set at the first forward (_lazy_init)
+        self._root_step: RootStep | None = None  # the root's only
+        self._sync_gradients = True  # False inside no_sync()
+        self._tracer = None  # a tools.tracing.Tracer while one is attached
+        if self._handle is not None and self._handle.unsharded.requires_grad:
+            self._handle.unsharded.register_post_accumulate_grad_hook(lambda _leaf: self._post_backward())
+        install_optimizer_check()
+
+    # ------------------------------------------------------------------ what users see
+    @property
+    def module(self) -> nn.Module:
+        return self._fsdp_wrapped_module
+
+    @property
+    def flat_param(self) -> nn.Parameter | None:
+        """This unit's local 1-D shard (torch: ``_flat_param``); None if the unit owns no parameters."""
+        return self._handle.flat_param if self._handle is not None else None
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # forward attributes of the wrapped module, as torch does
+            inner = self._modules.get("_fsdp_wrapped_module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    @property
+    def is_root(self) -> bool:
+        """True for the unit whose forward ran first (known after the first forward)."""
+        return self._root is self
+
+    def attach_tracer(self, tracer) -> None:
+        """Report this unit's events to ``tracer`` (a ``tools.tracing.Tracer``), or stop with None."""
+        self._tracer = tracer
+        if self._handle is not None:
+            self._handle.tracer = tracer
+
+    summon_full_params = staticmethod(full_params.summon_full_params)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm over all shards (collective); returns the total norm, as torch."""
+        return full_params.clip_grad_norm_(self, max_norm, norm_type)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The FULL state dict (torch FSDP1's default type): plain names, whole tensors, on every rank."""
+        full = full_params.full_state_dict(self)
+        if destination is None:
+            return full
+        for k, v in full.items():
+            destination[prefix + k] = v
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full state dict (as the plain model's ``state_dict()``); each rank keeps its shard."""
+        full_params.load_full_state_dict(self, state_dict, strict=strict)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        if self._root is None:
+            self._lazy_init()
+        mp, root, h = self.mixed_precision, self._root, self._handle
+        step = root._root_step
+        if self.is_root:
+            self._root_pre_forward()
+            if mp is not None and mp.cast_root_forward_inputs:
+                args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+        if mp is not None and mp.cast_forward_inputs and h is not None:
+            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+        awaiting = self.training_state is TrainingState.AWAITING_BACKWARD  # called twice in one step
+        self.training_state = TrainingState.FORWARD
+        if h is not None:
+            step.order.record_pre_forward(self)
+            h.unshard()
+            if root.forward_prefetch:
+                prefetch(step.order.next_in_forward(self), step.units, root.limit_all_gathers, in_backward=False)
+            h.use_unsharded_views()
+        try:
+            with span(self._tracer, "forward", h.name if h is not None else "root"):
+                out = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self.training_state = TrainingState.AWAITING_BACKWARD if awaiting else TrainingState.IDLE
+            if h is not None:
+                step.order.record_post_forward(self)
+                if not self.is_root and self.sharding_strategy in RESHARD_AFTER_FORWARD:
+                    h.reshard()
+                if h.use_orig_params:
+                    h.use_sharded_views()
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward)
+            if tensors:
+                self.training_state = TrainingState.AWAITING_BACKWARD
+                if self.is_root:
+                    step.versions_at_forward = self._shard_versions()
+        return out
+
+    def _lazy_init(self) -> None:
+        """The first unit to run forward is the root; every unit below learns who its root is."""
+        self._root_step = RootStep(units(self))
+        for name, unit in self.named_modules():
+            if isinstance(unit, Unit) and unit._handle is not None:
+                unit._handle.name = clean_name(name) or "root"
+        for unit in self._root_step.units:
+            if unit is not self and unit.is_root:
+                raise RuntimeError("a nested FSDP unit ran forward on its own before its parent; "
+                                   "call the outermost FSDP module")
+            unit.__dict__["_root"] = self  # a plain reference, not a registered submodule (no cycle)
+        for unit in reversed(self._root_step.units):  # innermost first: a buffer takes its unit's buffer_dtype
+            mp = unit.mixed_precision
+            if mp is None or mp.buffer_dtype is None:
+                continue
+            for m in unit.module.modules():
+                for name, b in m._buffers.items():
+                    if b is not None and b.is_floating_point() and b.dtype != mp.buffer_dtype:
+                        m._buffers[name] = b.to(mp.buffer_dtype)
+
+    def _shard_versions(self) -> list[int]:
+        return [u._handle.flat_param._version for u in self._root_step.units if u._handle is not None]
+
+    def _root_pre_forward(self) -> None:
+        step = self._root_step
+        if step.versions_at_forward is not None and torch.is_grad_enabled():
+            if step.versions_at_forward != self._shard_versions():
+                raise RuntimeError(
+                    "FSDP: forward called again before the backward of the previous forward, and the sharded "
+                    "parameters changed in between (an optimizer step?). That backward would see the new "
+                    "parameters. Call backward on the previous output before stepping, or run forwards you "
+                    "do not differentiate under torch.no_grad()."
+                )
+        elif step.versions_at_forward is None:
+            # Idle: drop full buffers kept from a no-grad forward; the shards may have been stepped since.
+            for unit in step.units:
+                if unit._handle is not None:
+                    unit._handle.reshard()
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, grad):
+        """Autograd reached one of this unit's outputs: gather its parameters again (once per backward)."""
+        root = self._root
+        step = root._root_step
+        if not step.final_callback_queued:
+            step.final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._final_callback)
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return None  # another of its outputs already brought it here
+        self.training_state = TrainingState.PRE_BACKWARD
+        h = self._handle
+        if h is not None:
+            h.unshard()
+            if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                prefetch(step.order.next_in_backward(self), step.units, root.limit_all_gathers, in_backward=True)
+            if h.use_orig_params:  # a recompute (activation_checkpointing.py) reads the parameters again
+                h.use_unsharded_views()
+            h.prepare_gradient()
+            if self._tracer is not None:
+                self._tracer.open("backward", h.name)
+        return None
+
+    def _post_backward(self) -> None:
+        """Autograd has summed this unit's full gradient: start its reduction, free its parameters."""
+        h, root = self._handle, self._root
+        step = root._root_step
+        self.training_state = TrainingState.POST_BACKWARD
+        if self._tracer is not None:
+            self._tracer.close("backward", h.name)
+        if h.use_orig_params:
+            h.use_sharded_views()
+        if self._sync_gradients:
+            # At most one reduction in flight: finish the previous unit's (it had this unit's whole
+            # backward to complete) so its full gradient is freed now, not at the end of the backward.
+            for unit in step.units:
+                if unit is not self and unit._handle is not None and unit._handle.pending:
+                    unit._handle.finish_reduce()
+            h.start_reduce()
+        if h.sharded and (self._sync_gradients or self.sharding_strategy in RESHARD_AFTER_FORWARD):
+            h.reshard()
+        if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            prefetch(step.order.next_in_backward(self), step.units, root.limit_all_gathers, in_backward=True)
+
+    def _final_callback(self) -> None:
+        """Runs once at the end of the backward: finish every reduction, every unit back to IDLE."""
+        step = self._root_step
+        for unit in step.units:
+            unit.training_state = TrainingState.IDLE
+            h = unit._handle
+            if h is None:
+                continue
+            h.finish_reduce()
+            if h.sharded and (unit._sync_gradients or unit.sharding_strategy in RESHARD_AFTER_FORWARD):
+                h.reshard()
+        step.final_callback_queued = False
+        step.versions_at_forward = None
+        step.order.end_iteration()
+
+    # ------------------------------------------------------------------ no_sync
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients locally, no communication; put the backward INSIDE the context.
+
+        Costs a full (unsharded) gradient per unit until the next synced backward.
+        """
+        inside = units(self)
+        old = [u._sync_gradients for u in inside]
+        for u in inside:
+            u._sync_gradients = False
+        try:
+            yield
+        finally:
+            for u, o in zip(inside, old):
+                u._sync_gradients = o
+
+
+FSDP = FullyShardedDataParallel
+
+
+def _is_managed(p: torch.Tensor) -> bool:
+    return getattr(p, "_minifsdp_flat", False) or hasattr(p, "_minifsdp_owner")
+
+
+def _own_buffers(module: nn.Module) -> list[torch.Tensor]:
+    nested = {id(b) for m in units(module) for b in m.buffers()}
+    return [b for b in module.buffers() if id(b) not in nested]

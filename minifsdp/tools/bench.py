@@ -1,0 +1,151 @@
+"""``python -m minifsdp bench collectives``: our ring all-reduce against gloo's, in the same run.
+
+For each world size, one spawn; inside it, for each message size (1 KB .. max_mb, powers
+of 4), the two all-reduces take turns (which goes first alternates), each timed as
+
+    barrier -> t0 -> all_reduce -> t1      time = max over ranks of (t1 - t0)
+
+(the slowest rank is when the collective is done for everyone), median of the repeats
+after a warm-up.  Big sizes get fewer repeats so the whole bench stays within minutes.
+
+Bus bandwidth = 2(N-1)/N x bytes / time: the bytes each rank really puts on the wire in a
+ring all-reduce, per second.  It makes different N comparable; for a bandwidth-bound ring
+it is the link speed.  We print the ratio ours / gloo (a ratio measured in one run, on one
+machine, the same minute: the only kind of performance claim the book makes).
+
+Note: on a laptop every "link" is the loopback interface and every rank shares the same
+few cores, so absolute numbers say little; the ratio is the figure of merit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from minifsdp.comm.collectives import ring_all_reduce
+from minifsdp.launch import spawn
+
+__all__ = ["run_collectives_bench", "bench_sizes", "bus_bandwidth"]
+
+KB = 1024
+
+
+def bench_sizes(max_mb: float) -> list[int]:
+    """1 KB, 4 KB, 16 KB, ... up to ``max_mb`` MB (in bytes)."""
+    sizes, size = [], KB
+    while size <= max_mb * KB * KB:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def bus_bandwidth(nbytes: int, world_size: int, seconds: float) -> float:
+    """Bytes per second each rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N x nbytes / time."""
+    if world_size == 1 or seconds <= 0:
+        return 0.0
+    return 2 * (world_size - 1) / world_size * nbytes / seconds
+
+
+def _repeats(nbytes: int) -> tuple[int, int]:
+    """(warm-up, timed) repeats for a message of ``nbytes``."""
+    if nbytes <= 256 * KB:
+        return 3, 20
+    if nbytes <= 4 * KB * KB:
+        return 2, 8
+    return 1, 4
+
+
+def _time_once(fn, tensor) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn(tensor)
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # done when the slowest rank is done
+    return elapsed.item()
+
+
+def _bench_rank(sizes: list[int]) -> list[dict]:
+    """Body of each rank: every size, both implementations, interleaved."""
+    n = dist.get_world_size()
+    impls = {"ours": lambda t: ring_all_reduce(t), "gloo": lambda t: dist.all_reduce(t)}
+    rows = []
+    for nbytes in sizes:
+        tensor = torch.zeros(nbytes // 4)  # zeros: the sums stay finite over every repeat
+        warmup, repeats = _repeats(nbytes)
+        times: dict[str, list[float]] = {name: [] for name in impls}
+        for i in range(warmup + repeats):
+            order = list(impls) if i % 2 == 0 else list(reversed(impls))
+            for name in order:
+                seconds = _time_once(impls[name], tensor)
+                if i >= warmup:
+                    times[name].append(seconds)
+        row = {"world_size": n, "bytes": nbytes, "repeats": repeats}
+        for name, ts in times.items():
+            median = statistics.median(ts)
+            row[f"{name}_s"] = median
+            row[f"{name}_busbw_GBps"] = bus_bandwidth(nbytes, n, median) / 1e9
+        row["ratio_ours_over_gloo"] = row["gloo_s"] / row["ours_s"]  # bus bandwidth ratio
+        rows.append(row)
+    return rows
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("MB", KB * KB), ("KB", KB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ('N', 'size', 'ours ms', 'gloo ms', 'ours GB/s', 'gloo GB/s', 'ours/gloo')
+    lines = [' '.join(f'{h:>{w}}' for h, w in zip(header, (3, 8, 9, 9, 10, 10, 10)))]
+    for r in rows:
+        lines.append(
+            f"{r['world_size']:>3} {_human(r['bytes']):>8} {r['ours_s'] * 1e3:>9.3f} {r['gloo_s'] * 1e3:>9.3f} "
+            f"{r['ours_busbw_GBps']:>10.3f} {r['gloo_busbw_GBps']:>10.3f} {r['ratio_ours_over_gloo']:>10.2f}"
+        )
+    return "\n".join(lines)
+
+
+def run_collectives_bench(args) -> int:
+    """Entry point of ``python -m minifsdp bench collectives`` (args: world_sizes, max_mb, json)."""
+    world_sizes = [int(w) for w in str(args.world_sizes).split(",") if w.strip()]
+    if not world_sizes or any(w < 2 for w in world_sizes):
+        raise SystemExit(f"--world-sizes must list sizes >= 2, e.g. 2,4; got {args.world_sizes!r}")
+    sizes = bench_sizes(args.max_mb)
+    if not sizes:
+        raise SystemExit(f"--max-mb={args.max_mb} is below the smallest size (1 KB); use e.g. --max-mb 64")
+    rows, started = [], time.perf_counter()
+    for n in world_sizes:
+        print(f"world size {n}: {len(sizes)} sizes from {_human(sizes[0])} to {_human(sizes[-1])} ...", flush=True)
+        rows += spawn(_bench_rank, args=(sizes,), world_size=n, timeout_s=600, threads_per_rank=1)[0]
+    print(format_table(rows))
+    big = [r["ratio_ours_over_gloo"] for r in rows if r["bytes"] >= 4 * KB * KB]
+    if big:
+        print(f"ours / gloo bus bandwidth from 4 MB up: min {min(big):.2f}, median {statistics.median(big):.2f}")
+    print(f"({time.perf_counter() - started:.0f} s; ratio > 1 means ours is faster; "
+          f"load average {load_average():.1f} on {os.cpu_count()} CPUs: other work on the machine makes times noisy)")
+    if args.json:
+        write_bench_json(args.json, rows, threads_per_rank=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average: printed beside every figure, since other work skews times."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def write_bench_json(path: str, rows: list[dict], **meta) -> None:
+    """Write ``{"meta": machine + torch versions + load + meta, "rows": rows}`` to ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "load_average_1min": load_average(), **meta}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -1,0 +1,64 @@
+"""The command line: ``python -m minifsdp compare`` and ``python -m minifsdp bench ...``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="minifsdp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_cmp = sub.add_parser("compare", help="train the tiny GPT with ours and torch's, side by side")
+    p_cmp.add_argument("--strategy", choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ddp"),
+                       default="FULL_SHARD",
+                       help="FSDP strategy (ours vs torch FSDP1), or ddp (our DDP vs torch DDP)")
+    p_cmp.add_argument("--world-size", type=int, default=2)
+    p_cmp.add_argument("--steps", type=int, default=8)
+    p_cmp.add_argument("--collectives", choices=("torch", "ring"), default="ring")
+    p_cmp.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    p_cmp.add_argument("--out", default="out", help="folder for the loss-curve PNG")
+
+    p_bench = sub.add_parser("bench", help="measure ours against torch in the same run")
+    p_bench.add_argument("what", choices=("collectives", "fsdp", "overlap", "precision"))
+    p_bench.add_argument("--world-sizes", default="2,4")
+    p_bench.add_argument("--max-mb", type=float, default=64.0, help="collectives: largest message")
+    p_bench.add_argument("--json", default=None,
+                         help="where to write the results (default out/bench_<what>.json; '' for none)")
+    p_bench.add_argument("--config", default="bench", help="fsdp: TinyGPT size, bench (19M) | small | tiny")
+    p_bench.add_argument("--steps", type=int, default=None, help="timed steps (fsdp: 8 per trainer, median; else 5)")
+    p_bench.add_argument("--warmup", type=int, default=None, help="fsdp: untimed steps per trainer first (1)")
+    p_bench.add_argument("--batch-size", type=int, default=None,
+                         help="sequences per rank per step (fsdp: 2 of 128 tokens, a 2-core run in ~6 min; else 8)")
+    p_bench.add_argument("--trainers", default="ours_torch,ours_ring,fsdp1,fsdp2,ddp",
+                         help="fsdp: which of ours_torch,ours_ring,fsdp1,fsdp2,ddp (fsdp1 is the reference)")
+    p_bench.add_argument("--threads", type=int, default=1, help="overlap/precision: intra-op threads per rank")
+    p_bench.add_argument("--link-ms", type=float, default=0.0,
+                         help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
+
+    args = parser.parse_args(argv)
+    if args.command == "compare":
+        from minifsdp.tools.compare import run_compare
+
+        return run_compare(args)
+    if args.command == "bench":
+        if args.json is None:
+            args.json = f"out/bench_{args.what}.json"
+        defaults = {"steps": 8, "warmup": 1, "batch_size": 2} if args.what == "fsdp" else \
+            {"steps": 5, "warmup": 2, "batch_size": 8}
+        for name, value in defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        if args.what == "collectives":
+            from minifsdp.tools.bench import run_collectives_bench
+
+            return run_collectives_bench(args)
+        if args.what in ("overlap", "precision"):
+            from minifsdp.tools.bench_overlap import run_bench
+
+            return run_bench(args)
+        from minifsdp.tools.bench_fsdp import run_fsdp_bench
+
+        return run_fsdp_bench(args)
+    parser.error(f"unknown command {args.command}")
+    return 2

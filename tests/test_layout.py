@@ -1,0 +1,136 @@
+"""The package's shape: chapters as subpackages, imports that run one way, modules a student can read.
+
+Read from the source files (``ast``), not by importing them, so a cycle that Python
+happens to tolerate today (a late import, an attribute looked up at call time) is
+still caught.
+"""
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "minifsdp"
+
+# Lower layers first.  A module may import its own layer or a lower one, never a higher one.
+# comm sits below ddp although chapter 2.2 comes after chapter 1: DDP and FSDP both send their
+# gradients through it, so it is the foundation the two build on.
+LAYERS = {
+    "minifsdp.launch": 0, "minifsdp.models": 0, "minifsdp.notebook": 0,
+    "minifsdp.comm": 1,
+    "minifsdp.ddp": 2,
+    "minifsdp.fsdp": 3, "minifsdp.memory": 3,
+    "minifsdp.checkpoint": 4,
+    "minifsdp.tools": 5,
+    "minifsdp.__main__": 6, "minifsdp": 6,
+}
+LOCAL_IMPORTS_ALLOWED = ("minifsdp.tools",)  # command-line and bench code may import lazily (start-up time)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str, imported: str | None) -> str | None:
+    """``from name import imported``: the module it names, if that module is ours."""
+    if imported is not None and f"{name}.{imported}" in MODULES:
+        return f"{name}.{imported}"
+    return name if name in MODULES else None
+
+
+def _imports(path: Path) -> tuple[set[str], set[str]]:
+    """(module-level imports, imports inside a function or class) of minifsdp modules."""
+    top, local = set(), set()
+    tree = ast.parse(path.read_text())
+    top_nodes = set(map(id, tree.body))
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [_resolve(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [_resolve(node.module, a.name) for a in node.names]
+        targets = {t for t in targets if t}
+        (top if id(node) in top_nodes else local).update(targets)
+    return top, local
+
+
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    for prefix in sorted(LAYERS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return LAYERS[prefix]
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
+
+
+def test_the_graph_was_read():
+    """A guard for the checks below: they would pass vacuously on an empty graph."""
+    assert len(MODULES) > 40
+    assert "minifsdp.fsdp.handle" in GRAPH["minifsdp.fsdp.fully_sharded"][0]
+    assert "minifsdp.fsdp.units" in GRAPH["minifsdp.fsdp.fully_sharded"][0]
+
+
+def test_no_import_cycles():
+    edges = {m: {t for t in top if t != m} for m, (top, _) in GRAPH.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m, path):
+        state[m] = 1
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycles.append(path[path.index(t):] + [t])
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_function_local_imports_of_our_modules_outside_tools():
+    offenders = [f"{m} imports {sorted(local)} inside a function" for m, (_, local) in GRAPH.items()
+                 if local and not m.startswith(LOCAL_IMPORTS_ALLOWED)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_imports_never_climb_to_a_higher_layer():
+    bad = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+           for m, (top, local) in GRAPH.items() for t in top | local if _layer(t) > _layer(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_chapter_subpackages_exist_and_the_top_stays_small():
+    for pkg in ("comm", "ddp", "fsdp", "memory", "checkpoint", "tools"):
+        assert (PKG / pkg / "__init__.py").is_file(), f"minifsdp/{pkg}/ is not a package"
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 8, f"{len(top)} modules at the top of minifsdp/: {top}"
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+def test_every_module_starts_with_a_docstring():
+    missing = [m for m, p in MODULES.items()
+               if m != "minifsdp.__main__" and not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not missing, missing
+
+
+def test_every_public_name_is_importable_from_the_top():
+    import minifsdp
+
+    missing = [n for n in minifsdp.__all__ if not hasattr(minifsdp, n)]
+    assert not missing and len(minifsdp.__all__) >= 34, missing
