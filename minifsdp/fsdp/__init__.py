@@ -12,6 +12,7 @@ Read in this order (each module imports only those above it):
     events.py           what a unit reports to an attached tracer (``tools/tracing.py`` records it)
     checks.py           bad input at wrap time: devices, weights that differ across ranks, a stale optimizer
     wrap.py             ch 2.5: auto-wrap policies
+    root.py             the root unit: elected at the first forward, keeps the step's bookkeeping
     fully_sharded.py    FullyShardedDataParallel: the module users see; hooks, order, state
     full_params.py      summon_full_params, clip_grad_norm_, the full state dict
     activation_checkpointing.py  ch 2.3: recompute whole blocks in the backward
