@@ -252,7 +252,8 @@ def features_worker():
     with FSDP.summon_full_params(model):
         out["summon_shapes"] = {n: tuple(getattr(model.module.blocks[0].module.attn.qkv, n).shape)
                                 for n in ("weight", "bias")}
-        model.module.ln_f.weight.add_(1.0)  # an edit that writeback must keep
+        with torch.no_grad():  # full parameters are nn.Parameters inside, as in torch: edit them under no_grad
+            model.module.ln_f.weight.add_(1.0)  # an edit that writeback must keep
     sd = model.state_dict()
     out["writeback_kept_edit"] = bool(torch.equal(sd["ln_f.weight"], before + 1.0))
     plain = make_model("gpt")

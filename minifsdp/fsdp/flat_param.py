@@ -93,7 +93,7 @@ class ParamSlot:
     offset: int  # first index in the flat buffer
     numel: int
     requires_grad: bool
-    param: nn.Parameter  # the original parameter object (kept for use_orig_params)
+    param: nn.Parameter | None  # the original parameter; None once flattened away (use_orig_params=False)
 
 
 @dataclass

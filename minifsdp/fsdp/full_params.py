@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from minifsdp.fsdp.root import buffer_dtype_of
 from minifsdp.fsdp.state import HandleState, TrainingState
-from minifsdp.fsdp.units import key_of, module_names
+from minifsdp.fsdp.units import is_unit, key_of, module_names
 from minifsdp.fsdp.units import units_with_params as _units
 
 __all__ = ["summon_full_params", "clip_grad_norm_", "full_state_dict", "load_full_state_dict"]
@@ -43,7 +44,10 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     Collective: call it on every rank.  With ``writeback=True`` (torch's default)
     in-place edits to the full parameters are copied back into each rank's shard.
     """
-    units = _units(module) if recurse else _units(module)[:1]
+    if recurse:
+        units = _units(module)
+    else:  # only this unit's own parameters, as torch (never a child's in its place)
+        units = [module] if is_unit(module) and module._handle is not None else []
     for u in units:
         if u.training_state not in (TrainingState.IDLE, TrainingState.AWAITING_BACKWARD) or u._handle.pending:
             raise RuntimeError(f"summon_full_params() while a unit is in {u.training_state.name} is not supported "
@@ -56,7 +60,8 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             u.training_state = TrainingState.SUMMON_FULL_PARAMS
             u._handle.set_full_precision(True)  # fp32, never the low-precision copy (as torch)
             u._handle.unshard()
-            u._handle.use_unsharded_views(as_data=u._handle.use_orig_params, detach=True)
+            u._parameters.pop("_flat_param", None)  # torch shows the original parameters, not the flat one
+            u._handle.use_full_params()
     try:
         yield
     finally:
@@ -67,7 +72,9 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                 if not kept:
                     u._handle.reshard()
                 u._handle.set_full_precision(False)
-                u._handle.use_sharded_views()
+                u._handle.drop_full_params()
+                if not u._handle.use_orig_params:
+                    u.register_parameter("_flat_param", u._handle.flat_param)
                 u.training_state = state
 
 
@@ -128,8 +135,8 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> "OrderedDict
                 out[key(sh.module, sh.name)] = out[key(layout.slots[sh.primary].module, layout.slots[sh.primary].name)]
         for m in module.modules():
             for b_name, b in m._buffers.items():
-                if b is not None and b_name not in m._non_persistent_buffers_set:
-                    out[key(m, b_name)] = b.detach().clone()
+                if b is not None and b_name not in m._non_persistent_buffers_set:  # in its own dtype, as torch
+                    out[key(m, b_name)] = b.detach().to(buffer_dtype_of(module, m, b_name, b), copy=True)
     if rank0_only and dist.get_rank() != 0:
         return OrderedDict()
     return out

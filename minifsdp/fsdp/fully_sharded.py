@@ -25,10 +25,10 @@ Mixed precision: ``mixed_precision.py``; activation checkpointing:
 ``activation_checkpointing.py``; summon, clipping and state dicts:
 ``full_params.py``; a timeline of it all: ``minifsdp/tools/tracing.py``.
 
-Note (root): the outermost unit whose forward runs first is the root.  It keeps
-the :class:`RootStep` (its units, their order, the final callback), checks the
-step's order (one forward per backward unless the shards are unchanged) and owns
-``clip_grad_norm_``.
+Note (root): the outermost unit whose forward runs first is the root
+(``root.py``).  It keeps the ``RootStep`` (its units, their order, the final
+callback), checks the step's order (one forward per backward unless the shards
+are unchanged) and owns ``clip_grad_norm_``.
 
 Note (the optimizer): ``model.parameters()`` after wrapping yields each unit's
 ``flat_param`` (the local 1-D shard; with ``use_orig_params=True``, the
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -57,23 +56,14 @@ from minifsdp.fsdp.checks import (
 from minifsdp.fsdp.events import span
 from minifsdp.fsdp.handle import FlatParamHandle
 from minifsdp.fsdp.mixed_precision import MixedPrecision, cast_floating
-from minifsdp.fsdp.prefetch import BackwardPrefetch, ExecutionOrder, prefetch
+from minifsdp.fsdp.prefetch import BackwardPrefetch, prefetch
+from minifsdp.fsdp.root import RootStep, check_versions, init_root, shard_versions
 from minifsdp.fsdp.sharding import RESHARD_AFTER_FORWARD, Comm, ShardingStrategy, resolve_groups
 from minifsdp.fsdp.state import TrainingState
 from minifsdp.fsdp.units import Unit, clean_name, units
 from minifsdp.fsdp.wrap import recursive_wrap
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "RootStep"]
-
-
-@dataclass
-class RootStep:
-    """What only the root keeps: every unit below it, the order they ran in, this step's bookkeeping."""
-
-    units: list  # every unit under the root, the root first (units.units(root))
-    order: ExecutionOrder = field(default_factory=ExecutionOrder)  # prefetch.py
-    final_callback_queued: bool = False  # at most one final callback per backward
-    versions_at_forward: list[int] | None = None  # the shards' versions at the last forward that awaits a backward
+__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision"]
 
 
 class FullyShardedDataParallel(Unit):
@@ -193,6 +183,18 @@ class FullyShardedDataParallel(Unit):
         if self._handle is not None:
             self._handle.tracer = tracer
 
+    def named_parameters(self, *args, **kwargs):
+        """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
+        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield (clean_name(name) if clean else name), p
+
+    def named_buffers(self, *args, **kwargs):
+        """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
+        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield (clean_name(name) if clean else name), b
+
     summon_full_params = staticmethod(full_params.summon_full_params)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -215,7 +217,7 @@ class FullyShardedDataParallel(Unit):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         if self._root is None:
-            self._lazy_init()
+            self._root_step = init_root(self)  # the first unit to run forward is the root
         mp, root, h = self.mixed_precision, self._root, self._handle
         step = root._root_step
         if self.is_root:
@@ -250,42 +252,13 @@ class FullyShardedDataParallel(Unit):
             if tensors:
                 self.training_state = TrainingState.AWAITING_BACKWARD
                 if self.is_root:
-                    step.versions_at_forward = self._shard_versions()
+                    step.versions_at_forward = shard_versions(step)
         return out
-
-    def _lazy_init(self) -> None:
-        """The first unit to run forward is the root; every unit below learns who its root is."""
-        self._root_step = RootStep(units(self))
-        for name, unit in self.named_modules():
-            if isinstance(unit, Unit) and unit._handle is not None:
-                unit._handle.name = clean_name(name) or "root"
-        for unit in self._root_step.units:
-            if unit is not self and unit.is_root:
-                raise RuntimeError("a nested FSDP unit ran forward on its own before its parent; "
-                                   "call the outermost FSDP module")
-            unit.__dict__["_root"] = self  # a plain reference, not a registered submodule (no cycle)
-        for unit in reversed(self._root_step.units):  # innermost first: a buffer takes its unit's buffer_dtype
-            mp = unit.mixed_precision
-            if mp is None or mp.buffer_dtype is None:
-                continue
-            for m in unit.module.modules():
-                for name, b in m._buffers.items():
-                    if b is not None and b.is_floating_point() and b.dtype != mp.buffer_dtype:
-                        m._buffers[name] = b.to(mp.buffer_dtype)
-
-    def _shard_versions(self) -> list[int]:
-        return [u._handle.flat_param._version for u in self._root_step.units if u._handle is not None]
 
     def _root_pre_forward(self) -> None:
         step = self._root_step
         if step.versions_at_forward is not None and torch.is_grad_enabled():
-            if step.versions_at_forward != self._shard_versions():
-                raise RuntimeError(
-                    "FSDP: forward called again before the backward of the previous forward, and the sharded "
-                    "parameters changed in between (an optimizer step?). That backward would see the new "
-                    "parameters. Call backward on the previous output before stepping, or run forwards you "
-                    "do not differentiate under torch.no_grad()."
-                )
+            check_versions(step)
         elif step.versions_at_forward is None:
             # Idle: drop full buffers kept from a no-grad forward; the shards may have been stepped since.
             for unit in step.units:
@@ -324,7 +297,9 @@ class FullyShardedDataParallel(Unit):
             self._tracer.close("backward", h.name)
         if h.use_orig_params:
             h.use_sharded_views()
-        if self._sync_gradients:
+        if not self._sync_gradients:
+            h.expose_unsharded_grad()  # where zero_grad() can reach it, as in torch
+        else:
             # At most one reduction in flight: finish the previous unit's (it had this unit's whole
             # backward to complete) so its full gradient is freed now, not at the end of the backward.
             for unit in step.units:

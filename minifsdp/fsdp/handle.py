@@ -70,6 +70,14 @@ def clear_tensor_attr(module: nn.Module, name: str) -> None:
     module.__dict__.pop(name, None)
 
 
+def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad`` although their shapes differ (torch FSDP1 does the same): swap ``.data`` around it."""
+    data = param.data
+    param.data = grad
+    param.grad = grad
+    param.data = data
+
+
 class FlatParamHandle:
     """One unit's flat parameter: its layout, local shard, full buffer and gradient reduction."""
 
@@ -80,6 +88,15 @@ class FlatParamHandle:
         self.sharded = strategy in SHARDED
         n = groups.shard_size if self.sharded else 1
         self.rank = groups.shard_rank if self.sharded else 0
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            by_dtype = {d: next(n for n, p in module.named_parameters() if p in set(params) and p.dtype == d)
+                        for d in dtypes}
+            raise ValueError(
+                "FSDP unit mixes parameter dtypes (" + ", ".join(f"{n}: {d}" for d, n in by_dtype.items()) + "); "
+                "one flat parameter has one dtype (torch: 'Must flatten tensors with uniform dtype'). Cast the "
+                "module to one dtype first (module.to(torch.float32)), or wrap the odd part in its own unit."
+            )
         rg = {p.requires_grad for p in params}
         if len(rg) > 1 and not use_orig_params:
             frozen = [name for name, p in module.named_parameters() if p in set(params) and not p.requires_grad]
@@ -117,6 +134,8 @@ class FlatParamHandle:
         self.predivide = predivide_factor(dp)
         self.postdivide = dp / self.predivide
         self.pending: list = []  # reductions started, not finished: (work, sharded_grad, keep_alive)
+        self.grad_exposed = False  # a no_sync gradient is shown on flat_param.grad / the originals' .grad
+        self.saved_grad_shard = None  # a reduced shard set aside while flat_param.grad shows a full gradient
         self._gather = None  # while GATHERING: (work, the local shard being sent)
         self.name = "unit"  # its module path, set by the root (for the tracer)
         self.tracer = None  # a tools.tracing.Tracer while one is attached
@@ -127,8 +146,11 @@ class FlatParamHandle:
 
         Every original parameter is marked as owned (a parent unit must not flatten
         it again).  With ``use_orig_params=False`` it also leaves its module: the
-        unit registers ``flat_param`` instead, and an optimizer still holding an
-        original is refused at its first step (``checks.py``).  Then each name
+        unit registers ``flat_param`` instead, an optimizer still holding an
+        original is refused at its first step (``checks.py``), and the layout lets
+        go of it (``slot.param = None``), so its full-size data is freed unless the
+        user still holds it (as in torch).  With ``use_orig_params=True`` the
+        originals stay, their ``.data`` a view of this rank's shard.  Then each name
         points at its sharded view (``use_sharded_views``).
         """
         for slot in self.layout.slots:
@@ -136,6 +158,7 @@ class FlatParamHandle:
             if not self.use_orig_params:
                 slot.param._minifsdp_orphan = slot.fqn  # the optimizer-before-wrap check looks for it
                 del slot.module._parameters[slot.name]
+                slot.param = None  # the flat buffer holds the numbers now: keep no full-size copy
         if not self.use_orig_params:
             for sh in self.layout.shared:
                 sh.module._parameters.pop(sh.name, None)
@@ -192,25 +215,52 @@ class FlatParamHandle:
             self.padded.untyped_storage().resize_(0)
             self.state = HandleState.SHARDED
 
-    def use_unsharded_views(self, as_data: bool = False, detach: bool = False) -> None:
-        """Point every original name at its view of the full buffer.
+    def use_unsharded_views(self) -> None:
+        """Forward and backward: every original name is a plain-tensor view of the full buffer.
 
-        ``as_data=False`` (forward): plain-tensor views that carry autograd to
-        ``unsharded``.  ``as_data=True`` (summon_full_params with use_orig_params):
-        the original ``nn.Parameter`` s get the full views as their ``.data``.
-        ``detach=True`` (summon_full_params): views outside autograd, editable in place.
+        The views carry autograd to ``unsharded``, so their gradients sum into its
+        ``.grad``; a tied weight's second name gets the *same* view object.
         """
-        views = unflatten(self.unsharded.detach() if detach else self.unsharded, self.layout)
+        views = unflatten(self.unsharded, self.layout)
         for slot, v in zip(self.layout.slots, views):
-            if as_data:
-                slot.param.data = v.detach()
-                continue
             if self.use_orig_params and not slot.requires_grad:
                 v = v.detach()
             set_tensor_attr(slot.module, slot.name, v)
-        if not as_data:
-            for sh in self.layout.shared:
-                set_tensor_attr(sh.module, sh.name, views[sh.primary])
+        for sh in self.layout.shared:
+            set_tensor_attr(sh.module, sh.name, views[sh.primary])
+
+    def use_full_params(self) -> None:
+        """summon_full_params: every original name is an ``nn.Parameter`` of its full shape, as torch shows it.
+
+        ``use_orig_params=True``: the original parameters themselves, their ``.data``
+        a view of the full buffer.  ``use_orig_params=False``: new ``nn.Parameter`` s
+        registered under the original names (tied names share one), so
+        ``model.named_parameters()`` yields ``blocks.0.attn.qkv.weight`` and not the
+        flat parameter (the unit deregisters ``_flat_param`` meanwhile).  Either way
+        they share the full buffer's memory, outside autograd: an in-place edit lands
+        in the buffer, and ``write_back`` copies it into the shard.
+        """
+        views = unflatten(self.unsharded.detach(), self.layout)
+        if self.use_orig_params:
+            for slot, v in zip(self.layout.slots, views):
+                slot.param.data = v
+            return
+        params = []
+        for slot, v in zip(self.layout.slots, views):
+            params.append(nn.Parameter(v, requires_grad=slot.requires_grad))
+        for slot, p in zip(self.layout.slots, params):
+            clear_tensor_attr(slot.module, slot.name)
+            slot.module._parameters[slot.name] = p
+        for sh in self.layout.shared:
+            clear_tensor_attr(sh.module, sh.name)
+            sh.module._parameters[sh.name] = params[sh.primary]
+
+    def drop_full_params(self) -> None:
+        """Undo :meth:`use_full_params`: the names become sharded views again."""
+        if not self.use_orig_params:
+            for slot in self.layout.slots + self.layout.shared:
+                slot.module._parameters.pop(slot.name, None)
+        self.use_sharded_views()
 
     def use_sharded_views(self) -> None:
         """Between uses: original params (use_orig_params) are 1-D views of their local piece."""
@@ -238,9 +288,47 @@ class FlatParamHandle:
 
     # ------------------------------------------------------------------ gradients
     def prepare_gradient(self) -> None:
-        """Pre-backward (use_orig_params): if the optimizer set the original grads to None, so is ours."""
+        """Pre-backward: honour a ``zero_grad()`` the user called since the last backward.
+
+        A ``no_sync`` gradient was shown where torch users look (``expose_unsharded_grad``);
+        if that was set to None since, the user discarded it, and so do we.  With
+        ``use_orig_params``: if the optimizer set the original grads to None, so is ours.
+        """
+        if self.grad_exposed:
+            self.grad_exposed = False
+            if self.use_orig_params:
+                discarded = all(s.param.grad is None for s in self.layout.slots if s.requires_grad)
+            else:
+                discarded = self.flat_param.grad is not self.unsharded.grad
+            if discarded:
+                self.unsharded.grad = None
         if self.use_orig_params and all(s.param.grad is None for s in self.layout.slots):
             self.flat_param.grad = None
+        g = self.flat_param.grad
+        if self.sharded and not self.use_orig_params and g is not None and g.shape == self.flat_param.shape:
+            # A reduced shard kept from an earlier backward (no zero_grad since): set it aside, as torch
+            # (``_saved_grad_shard``), so that flat_param.grad can show this backward's full gradient.
+            self.saved_grad_shard, self.flat_param.grad = g, None
+
+    def expose_unsharded_grad(self) -> None:
+        """Post-backward under ``no_sync``: show the accumulated full gradient where torch FSDP1 keeps it.
+
+        ``use_orig_params=False``: as ``flat_param.grad`` (full size, while the parameter
+        is the local shard); ``use_orig_params=True``: as each original parameter's
+        ``.grad`` (a full-shape view).  It is the same tensor as ``unsharded.grad``, so
+        ``optimizer.zero_grad()`` discards it (``set_to_none``: the next pre-backward
+        sees it gone) or zeroes it in place, exactly as in torch.
+        """
+        g = self.unsharded.grad
+        if g is None or (not self.sharded and not self.use_orig_params):
+            return  # NO_SHARD without use_orig_params: it already is flat_param.grad
+        if self.use_orig_params:
+            for slot, v in zip(self.layout.slots, unflatten(g, self.layout)):
+                if slot.requires_grad:
+                    _set_grad(slot.param, v)
+        else:
+            _set_grad(self.flat_param, g)  # flat_param.grad was None or set aside (prepare_gradient)
+        self.grad_exposed = True
 
     def start_reduce(self) -> None:
         """Post-backward: divide, then start the reduce-scatter (or all-reduce) of the full gradient."""
@@ -249,6 +337,7 @@ class FlatParamHandle:
             return
         if self.tracer is not None:
             self.tracer.instant("reduce-scatter issued", self.name)
+        self.grad_exposed = False
         if not self.sharded:  # NO_SHARD: reduce flat_param.grad in place
             if self.predivide > 1:
                 grad.div_(self.predivide)
@@ -256,6 +345,8 @@ class FlatParamHandle:
             self.pending.append((work, None, grad))
             return
         self.unsharded.grad = None  # the leaf lets go; padded_grad may reuse its memory
+        if self.flat_param.grad is not None and self.flat_param.grad.shape != self.flat_param.shape:
+            self.flat_param.grad = None  # a no_sync gradient shown there is in `grad` now
         padded_grad = prepare_for_reduce_scatter(grad, self.layout.padded_numel, self.reduce_dtype, self.predivide)
         out = torch.empty(self.layout.shard_numel, dtype=padded_grad.dtype, device=grad.device)
         work = self.comm.reduce_scatter(out, padded_grad, self.groups.shard, async_op=True)
@@ -263,6 +354,8 @@ class FlatParamHandle:
 
     def finish_reduce(self) -> None:
         """Wait, all-reduce across replicas (HYBRID), divide, accumulate into flat_param.grad."""
+        if not self.pending:
+            return  # nothing reduced since the last call (a no_sync backward leaves its gradient exposed)
         for work, out, grad in self.pending:
             with span(self.tracer, "reduce-scatter wait", self.name):
                 work.wait()
@@ -273,13 +366,16 @@ class FlatParamHandle:
             if self.groups.replicate is not None:
                 self.comm.all_reduce(out, self.groups.replicate).wait()
             out = finish_reduced_shard(out, self.postdivide, self.flat_param.dtype)  # fp32 for the optimizer
-            if self.flat_param.grad is None:
+            kept = self.saved_grad_shard if self.saved_grad_shard is not None else self.flat_param.grad
+            self.saved_grad_shard = None
+            if kept is None:
                 self.flat_param.grad = out
             else:
-                self.flat_param.grad += out
+                kept += out  # accumulate onto the kept shard, in torch's order (kept + new)
+                self.flat_param.grad = kept
         self.pending.clear()
         if self.use_orig_params and self.flat_param.grad is not None:
             for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
-                if slot.requires_grad:
-                    slot.param.grad = self.flat_param.grad[lo:hi].view(slot.param.shape)
+                if slot.requires_grad:  # as torch: no gradient where this rank holds none of the parameter
+                    slot.param.grad = self.flat_param.grad[lo:hi].view(slot.param.shape) if hi > lo else None
 
