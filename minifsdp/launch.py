@@ -28,14 +28,16 @@ rank blocked in a receive eventually errors instead of waiting forever.
 Under ``torchrun`` the same call works unchanged: :func:`spawn` sees the
 ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` variables torchrun sets, joins the
 group with ``env://`` instead of starting processes, runs ``fn`` once (this
-process is one rank) and returns every rank's result, gathered with
-``all_gather_object``.
+process is one rank) and returns every rank's result, gathered through the
+rendezvous store (see the note in :func:`_gather_through_store`).  The group
+stays usable after ``spawn`` returns; it is torn down at exit (:func:`teardown`).
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import itertools
 import os
 import pickle
 import queue
@@ -48,7 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "RankFailedError", "launched_by_torchrun", "default_backend", "init_process_group_for_this_attempt"]
+__all__ = ["spawn", "RankFailedError", "launched_by_torchrun", "default_backend", "init_process_group_for_this_attempt",
+           "teardown", "on_teardown"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -107,7 +110,7 @@ def _rank_main(rank, world_size, backend, host, port, timeout_s, fn, args, resul
         results.put(("error", rank, traceback.format_exc()))
         return
     try:
-        dist.destroy_process_group()
+        teardown()
     except Exception:  # noqa: BLE001 - nothing left to report
         pass
 
@@ -252,9 +255,44 @@ def _run_under_torchrun(fn, args, backend, timeout_s):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group_for_this_attempt(backend, timeout_s)
     value = fn(*args)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+    return _gather_through_store(value, timeout_s)
+
+
+_GATHER_CALLS = itertools.count()  # spawn is collective: every rank counts its calls alike
+
+
+def _gather_through_store(value: Any, timeout_s: float) -> list[Any]:
+    """Every rank's ``value``, in rank order, exchanged as pickled bytes through the group's store.
+
+    Note (why not ``all_gather_object``): a gloo collective finishes in two
+    steps.  Its worker thread marks the work done (``wait()`` returns here) and
+    only afterwards drops its own reference to the work, whose tensors were made
+    in Python.  Dropping the last reference to such a tensor takes the GIL.  If
+    this was the job's last collective, the script could return and the
+    interpreter start shutting down in between; the worker thread then dies
+    while it asks for the GIL, inside a C++ destructor, and the rank aborts
+    ("terminate called without an active exception", exit code -6): 4 runs in
+    60 of notebook 01's train_ddp.py on a 2-core machine.  The store is read and
+    written by this thread alone, so the gather leaves nothing behind in another
+    thread.  (A collective that ``fn`` itself runs last is followed by this
+    exchange, which waits for every rank: gloo's thread has long let go by then.)
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    # Keys private to this call and to this restart attempt (attempts may share torchrun's store).
+    prefix = f"minifsdp/gather/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/call_{next(_GATHER_CALLS)}"
+    store.set(f"{prefix}/rank_{rank}", pickle.dumps(value))
+    keys = [f"{prefix}/rank_{r}" for r in range(world)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    values = [pickle.loads(store.get(k)) for k in keys]
+    # The last rank to finish reading deletes the keys: a long job does not pile results up in the store.
+    if store.add(f"{prefix}/read", 1) == world:
+        for k in keys + [f"{prefix}/read"]:
+            try:
+                store.delete_key(k)
+            except Exception:  # noqa: BLE001 - a store that cannot delete (FileStore) just keeps them
+                break
+    return values
 
 
 def init_process_group_for_this_attempt(backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -274,12 +312,50 @@ def init_process_group_for_this_attempt(backend: str = "gloo", timeout_s: float 
                           is_master=not agent_hosts_store and rank == 0, timeout=timeout)
     store = dist.PrefixStore(f"minifsdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    # Tear the group down before the interpreter does: left to the garbage collector at
-    # exit, the store and gloo's threads can be destroyed in the wrong order (SIGABRT,
-    # "terminate called without an active exception").
-    atexit.register(_destroy_if_initialized)
+    # Tear the group down while the interpreter is still whole (atexit runs before shutdown).
+    _register_teardown_at_exit()
 
 
-def _destroy_if_initialized() -> None:
-    if dist.is_initialized():
+_TEARDOWN_REGISTERED = False
+
+
+def _register_teardown_at_exit() -> None:
+    global _TEARDOWN_REGISTERED
+    if not _TEARDOWN_REGISTERED:
+        atexit.register(teardown)
+        _TEARDOWN_REGISTERED = True
+
+
+_TEARDOWN_HOOKS: list[Callable[[], None]] = []
+
+
+def on_teardown(hook: Callable[[], None]) -> Callable[[], None]:
+    """Run ``hook()`` in :func:`teardown`, before the process group is destroyed (once per hook).
+
+    The layers above the launcher register what must stop while the group still
+    exists: ``minifsdp.comm.stream`` registers the closing of its comm threads.
+    """
+    if hook not in _TEARDOWN_HOOKS:
+        _TEARDOWN_HOOKS.append(hook)
+    return hook
+
+
+def teardown() -> None:
+    """Run the teardown hooks (they stop our comm-stream threads), then destroy the default process group.
+
+    In this order: a ring collective still queued on a comm stream needs the
+    group, so the streams finish their jobs and their threads exit first (they
+    also let go of the group objects they keep).  Safe to call twice.  Under
+    torchrun it runs at exit (atexit: the interpreter is still whole then); a
+    spawned rank runs it after reporting its result.
+    """
+    for hook in reversed(_TEARDOWN_HOOKS):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - the group must still be destroyed
+            traceback.print_exc()
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_destroy_if_initialized = teardown  # the name this atexit hook had before

@@ -174,6 +174,29 @@ def parity_worker(world: int, variants: list, fsdp2: list, collectives_variants:
     return to_numpy(results)
 
 
+def pairs(a, b):
+    """``zip(a, b)`` for comparing results, after asserting both have the same length (a shorter list fails)."""
+    a, b = list(a), list(b)
+    assert len(a) == len(b), f"{len(a)} items against {len(b)}"
+    return zip(a, b)
+
+
+def full_items(ours: dict, theirs: dict, kind: str = "gpt"):
+    """``(name, ours, theirs)`` for every tensor in ``theirs``, after checking both dicts name what they should.
+
+    A full-parameter dict here is either a state dict of the plain ``make_model(kind)`` (ours,
+    the single-process model) or its parameters alone (torch's ``named_parameters()`` under
+    ``summon_full_params``: no buffers, a tied weight once); ``theirs`` must have every name
+    of one of the two and ``ours`` every name of ``theirs``, so a dict that lost entries fails.
+    """
+    plain = make_model(kind)
+    whole, params = set(plain.state_dict()), {n for n, _ in plain.named_parameters()}
+    assert set(ours) in (whole, params), sorted(set(ours) ^ whole)
+    assert set(theirs) in (whole, params), sorted(set(theirs) ^ params)
+    assert set(theirs) <= set(ours), sorted(set(theirs) - set(ours))
+    return [(name, ours[name], b) for name, b in theirs.items()]
+
+
 def to_numpy(obj):
     """Tensors -> numpy arrays (pickled by value; torch tensors would travel as shared memory)."""
     if isinstance(obj, torch.Tensor):

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from minifsdp.memory import MemoryTracker, snapshot
+from minifsdp.memory.census import live_tensor_bytes
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
 
 BATCH = 8
@@ -62,42 +63,53 @@ def _unit_numels(wrapped) -> list[tuple[int, int]]:
 
 
 def measure_setups(kinds, track_storage_resize=True):
-    """For each wrapper kind: one warm-up step, then one tracked AdamW step; return the numbers."""
+    """For each wrapper kind: one warm-up step, then one tracked AdamW step; return the numbers.
+
+    Each setup lives inside ``_measure_one`` and dies with it, so the next one is measured with only
+    itself alive (the tracker counts every live tensor: a previous model kept alive, e.g. by a loss
+    whose graph still points at its parameters, would be counted as "resident").  "baseline" is the
+    census just before a setup is built: what earlier setups left behind (torch FSDP1 and ours keep a
+    dropped model's shards alive through a reference cycle the garbage collector cannot see into).
+    """
+    return {name: _measure_one(name, track_storage_resize) for name in kinds}
+
+
+def _measure_one(name, track_storage_resize):
+    baseline = live_tensor_bytes()
     corpus, rank, world = CharCorpus(), dist.get_rank(), dist.get_world_size()
-    results = {}
-    for name in kinds:
-        # "KIND@odd": a GPT whose blocks have an odd number of elements, so FSDP must pad them
-        kind, _, variant = name.partition("@")
-        cfg = GPTConfig(n_embd=33, n_head=3) if variant == "odd" else GPTConfig.tiny()
-        base = TinyGPT(cfg, seed=0)
-        n_params = sum(p.numel() for p in base.parameters())  # parameters() dedups the tied weight
-        n_tensors = len(list(base.parameters()))
-        model = _wrap(kind, base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x, y = corpus.batch(0, BATCH, base.cfg.block_size, rank, world)
-        model(x, y).backward()  # warm-up: Adam's state exists from now on
+    # "KIND@odd": a GPT whose blocks have an odd number of elements, so FSDP must pad them
+    kind, _, variant = name.partition("@")
+    cfg = GPTConfig(n_embd=33, n_head=3) if variant == "odd" else GPTConfig.tiny()
+    base = TinyGPT(cfg, seed=0)
+    n_params = sum(p.numel() for p in base.parameters())  # parameters() dedups the tied weight
+    n_tensors = len(list(base.parameters()))
+    model = _wrap(kind, base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = corpus.batch(0, BATCH, base.cfg.block_size, rank, world)
+    model(x, y).backward()  # warm-up: Adam's state exists from now on
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # keep .grad between steps in every setup (DDP's bucket views need it)
+    x, y = corpus.batch(1, BATCH, base.cfg.block_size, rank, world)
+    at_rest_before = snapshot(model, opt)
+    with MemoryTracker(model, opt, track_storage_resize=track_storage_resize) as mt:
+        mt.mark("forward")
+        loss = model(x, y)
+        mt.mark("backward")
+        loss.backward()
+        mt.mark("step")
         opt.step()
-        opt.zero_grad(set_to_none=False)  # keep .grad between steps in every setup (DDP's bucket views need it)
-        x, y = corpus.batch(1, BATCH, base.cfg.block_size, rank, world)
-        at_rest_before = snapshot(model, opt)
-        with MemoryTracker(model, opt, track_storage_resize=track_storage_resize) as mt:
-            mt.mark("forward")
-            loss = model(x, y)
-            mt.mark("backward")
-            loss.backward()
-            mt.mark("step")
-            opt.step()
-        results[name] = {
-            "n_params": n_params,
-            "n_tensors": n_tensors,
-            "units": _unit_numels(model) if kind.removeprefix("OURS_") in ("FULL_SHARD", "SHARD_GRAD_OP") else [],
-            "rest": at_rest_before,
-            "peak": mt.peak_bytes,
-            "peak_phase": mt.peak_phase,
-            "at_peak": mt.breakdown_at_peak,
-            "end_of_forward": mt.breakdown_at("backward"),
-            "end": mt.breakdown_at("end"),
-            "timeline_points": len(mt.timeline),
-            "resizes": mt.storage_resizes,
-        }
-    return results
+    return {
+        "n_params": n_params,
+        "n_tensors": n_tensors,
+        "units": _unit_numels(model) if kind.removeprefix("OURS_") in ("FULL_SHARD", "SHARD_GRAD_OP") else [],
+        "rest": at_rest_before,
+        "peak": mt.peak_bytes,
+        "peak_phase": mt.peak_phase,
+        "at_peak": mt.breakdown_at_peak,
+        "end_of_forward": mt.breakdown_at("backward"),
+        "end": mt.breakdown_at("end"),
+        "timeline_points": len(mt.timeline),
+        "resizes": mt.storage_resizes,
+        "found_at_exit": mt.found_at_exit,
+        "baseline": baseline,
+    }

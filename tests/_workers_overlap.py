@@ -6,10 +6,12 @@ small numpy summaries; the test modules only compare them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minifsdp.fsdp import FSDP, ShardingStrategy
 from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
@@ -85,7 +87,7 @@ def train_scaled(model, scaler, inject_inf_at=None, steps=STEPS):
             next(iter(model.parameters())).grad[0] = float("inf")
         before = [p.detach().clone() for p in model.parameters()]
         scaler.step(opt)
-        stepped.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        stepped.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)))
         scaler.update()
         opt.zero_grad()
         losses.append(loss.float().item())
@@ -242,8 +244,103 @@ def _settings(name, torch_side):
     return kw
 
 
+class CollectiveLog(TorchDispatchMode):
+    """This rank's all-gathers and reduce-scatters, in the order they were issued, whoever issued them.
+
+    Since torch 2.0 every process-group call goes through the dispatcher as a ``c10d.*`` op,
+    so a dispatch mode sees torch FSDP1's collectives and ours alike, with their tensors
+    (``minifsdp.tools.viz_fsdp.CollectiveTracer`` is built the same way; it names units
+    through *our* handles only, so it cannot name torch's).  An all-gather is logged with
+    the storage of its output: the unit's full flat buffer, whose storage object lives as
+    long as the unit (only resized), so :meth:`named` maps it to the unit afterwards.  The
+    units cannot be told apart by size: blocks.0 and blocks.1 have the same flat size.
+    A reduce-scatter is logged with the numel of its input (the padded full gradient).
+
+    ``prefetching`` is a depth counter a caller raises while torch's ``_prefetch_handle``
+    runs, so each all-gather also records whether torch issued it as a prefetch.  Torch
+    FSDP1 on CPU issues its all-gathers synchronously (``dist.all_gather``), so this log's
+    order is its issue order.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple] = []
+        self.prefetching = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._opname if func.namespace == "c10d" else ""
+        if "allgather" in name:
+            self.log.append(("all-gather", _first_tensor(args[0]).untyped_storage()._cdata, self.prefetching > 0))
+        elif "reduce_scatter" in name:
+            self.log.append(("reduce-scatter", sum(t.numel() for t in _tensors(args[1]))))
+        return func(*args, **(kwargs or {}))
+
+    def named(self, storages: dict) -> tuple[list, list]:
+        """(all-gathers as (unit, prefetch), every collective as (kind, unit or numel)); ``storages``: cdata -> unit."""
+        gathers = [(storages.get(e[1], f"unknown storage {e[1]}"), e[2]) for e in self.log if e[0] == "all-gather"]
+        units = iter(gathers)
+        seq = [(e[0], next(units)[0]) if e[0] == "all-gather" else e for e in self.log]
+        return gathers, seq
+
+
+def _first_tensor(obj):
+    return obj if isinstance(obj, torch.Tensor) else _first_tensor(obj[0])
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    else:
+        for v in obj:
+            yield from _tensors(v)
+
+
+@contextlib.contextmanager
+def torch_prefetch_flag(log: CollectiveLog):
+    """While torch FSDP1's ``_prefetch_handle`` runs, ``log.prefetching`` > 0 (it is looked up at call time)."""
+    import torch.distributed.fsdp._runtime_utils as ru
+
+    orig = ru._prefetch_handle
+
+    def spy(*args, **kwargs):
+        log.prefetching += 1
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            log.prefetching -= 1
+
+    ru._prefetch_handle = spy
+    try:
+        yield
+    finally:
+        ru._prefetch_handle = orig
+
+
+def torch_unit_storages(model) -> dict:
+    """torch FSDP1's all-gather targets (each handle's ``_full_param_padded``, created at lazy init) -> unit name."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, TorchFSDP) and m._handle is not None:
+            out[m._handle.flat_param._full_param_padded.untyped_storage()._cdata] = _plain_name(name) or "root"
+    return out
+
+
+def our_unit_storages(model) -> dict:
+    """Our all-gather targets (each handle's padded full buffer) -> the unit's name (as the tracer writes it)."""
+    from minifsdp.fsdp.units import units
+
+    return {u._handle.padded.untyped_storage()._cdata: u._handle.name for u in units(model) if u._handle is not None}
+
+
 def prefetch_worker():
-    """Every prefetch setting: ours vs torch FSDP1 (same setting) and vs ours without prefetch; traces."""
+    """Every prefetch setting: ours vs torch FSDP1 (same setting) and vs ours without prefetch; traces.
+
+    Per setting, the order in which each side issued its all-gathers (and reduce-scatters),
+    recorded from both: ours from our tracer's "all-gather issued" events (and, as a check
+    of the tracer, from the c10d ops), torch's from the c10d ops (:class:`CollectiveLog`).
+    """
     from minifsdp.fsdp.prefetch import alive_units
     from minifsdp.fsdp.units import units
     from minifsdp.tools.tracing import Tracer
@@ -267,12 +364,22 @@ def prefetch_worker():
                         alive.append(alive_units(units(root)))
 
                     h.start_unshard = start
-            with Tracer(ours) as tr:
+            ours_log = CollectiveLog()
+            with Tracer(ours) as tr, ours_log:
                 losses = train_plain(ours)
             issued = [(e.unit, bool(e.args.get("prefetch"))) for e in tr.events if e.kind == "all-gather issued"]
-            out[(strategy, name)] = dict(ours=summary(ours, True, losses, dict(issued=issued, max_alive=max(alive),
-                                                                                 exposed=tr.exposed_seconds())),
-                                         torch=summary(theirs, False, train_plain(theirs)))
+            ops_gathers, ops_seq = ours_log.named(our_unit_storages(ours))
+            torch_log = CollectiveLog()
+            with torch_prefetch_flag(torch_log), torch_log:
+                torch_losses = train_plain(theirs)
+            torch_issued, torch_seq = torch_log.named(torch_unit_storages(theirs))
+            ours_extra = dict(issued=issued, issued_ops=[u for u, _ in ops_gathers], collectives=ops_seq,
+                              max_alive=max(alive), exposed=tr.exposed_seconds(),
+                              units=[u._handle.name for u in units(ours) if u._handle is not None],
+                              events=[(e.kind, e.unit, e.start, e.end) for e in tr.events])
+            out[(strategy, name)] = dict(ours=summary(ours, True, losses, ours_extra),
+                                         torch=summary(theirs, False, torch_losses,
+                                                       dict(issued=torch_issued, collectives=torch_seq)))
             if (strategy, name) == ("FULL_SHARD", "pre"):
                 out["trace_files"] = _trace_files(ours, tr)
     return to_numpy(out)

@@ -19,6 +19,7 @@ import minifsdp
 from minifsdp.fsdp.activation_checkpointing import apply_activation_checkpointing, checkpoint
 from minifsdp.models import Block, TinyGPT
 from tests import _workers_overlap as W
+from tests._workers_fsdp import full_items, pairs
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,10 @@ def test_fsdp_with_checkpointing_bitwise(runs, orig, oracle):
     for res in runs:
         ours, other = res[("ac", orig)]["ours"], res[("ac", orig)][oracle]
         assert ours["losses"] == other["losses"]
-        for a, b in zip(ours["shards"], other["shards"]):
+        for a, b in pairs(ours["shards"], other["shards"]):
             assert np.array_equal(a, b)
-        for name, b in other["full"].items():
-            assert np.array_equal(ours["full"][name], b), name
+        for name, a, b in full_items(ours["full"], other["full"]):
+            assert np.array_equal(a, b), name
 
 
 def test_before_wrapping_is_the_same(runs):
@@ -64,7 +65,7 @@ def test_plain_model_bitwise_and_recompute_runs():
         m(x, x).backward()
         grads.append([p.grad for p in m.parameters()])
         inner_calls.append(len(calls))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in pairs(*grads))
     assert inner_calls == [1, 2]  # forward, then the recompute in backward
 
 

@@ -28,6 +28,7 @@ import pytest
 
 import minifsdp
 from tests import _workers_fsdp as W
+from tests._workers_fsdp import full_items, pairs
 
 STRATEGIES_2 = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 VARIANTS_2 = [(k, s, o) for s in STRATEGIES_2 for k in ("gpt", "mlp") for o in ("sgd", "adamw")]
@@ -52,12 +53,10 @@ def _check_bitwise_vs_fsdp1(runs, key):
         ours, theirs = res[key]["ours"], res[key]["torch"]
         assert ours["losses"] == theirs["losses"], (rank, key)
         assert ours["norms"] == theirs["norms"], (rank, key)
-        assert len(ours["shards"]) == len(theirs["shards"]), (rank, key)
-        for a, b in zip(ours["shards"], theirs["shards"]):  # each unit's local flat shard
+        for a, b in pairs(ours["shards"], theirs["shards"]):  # each unit's local flat shard
             assert a.shape == b.shape and np.array_equal(a, b), (rank, key)
-        assert set(theirs["full"]) <= set(ours["full"])
-        for name, b in theirs["full"].items():
-            assert np.array_equal(ours["full"][name], b), (rank, key, name)
+        for name, a, b in full_items(ours["full"], theirs["full"], key[0]):
+            assert np.array_equal(a, b), (rank, key, name)
 
 
 @pytest.mark.timeout(300)
@@ -81,7 +80,7 @@ def test_ring_collectives_4_ranks_close(runs4):
     for res in runs4:
         ours, theirs = res[RING[0] + ("ring",)]["ours"], res[RING[0] + ("ring",)]["torch"]
         np.testing.assert_allclose(ours["losses"], theirs["losses"], rtol=1e-5)
-        for a, b in zip(ours["shards"], theirs["shards"]):
+        for a, b in pairs(ours["shards"], theirs["shards"]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -94,15 +93,15 @@ def test_full_params_vs_fsdp2(runs2, kind, raf):
     fsdp2 = runs2[0][("fsdp2", kind, raf)]
     ours = _full_ours(runs2, kind, "FULL_SHARD" if raf else "SHARD_GRAD_OP", "adamw")
     np.testing.assert_allclose(ours["losses"], fsdp2["losses"], rtol=1e-6)
-    for name, b in fsdp2["full"].items():
-        np.testing.assert_allclose(ours["full"][name], b, rtol=0, atol=1e-5, err_msg=name)
+    for name, a, b in full_items(ours["full"], fsdp2["full"], kind):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=name)
 
 
 def test_full_params_vs_fsdp2_4_ranks(runs4):
     fsdp2 = runs4[0][("fsdp2", "gpt", True)]
     ours = _full_ours(runs4, "gpt", "FULL_SHARD", "adamw")
-    for name, b in fsdp2["full"].items():
-        np.testing.assert_allclose(ours["full"][name], b, rtol=0, atol=1e-5, err_msg=name)
+    for name, a, b in full_items(ours["full"], fsdp2["full"], "gpt"):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("world", (2, 4))
@@ -113,9 +112,8 @@ def test_full_params_vs_single_process(runs2, runs4, world):
         ours = _full_ours(runs, kind, strategy, opt)
         mean_loss = np.mean([r[(kind, strategy, opt, "torch")]["ours"]["losses"] for r in runs], axis=0)
         np.testing.assert_allclose(mean_loss, single["losses"], rtol=1e-4)
-        for name, ref in single["full"].items():
-            np.testing.assert_allclose(ours["full"][name], ref, rtol=1e-4, atol=1e-5,
-                                       err_msg=f"{kind} {strategy} {opt} {name}")
+        for name, a, ref in full_items(ours["full"], single["full"], kind):
+            np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-5, err_msg=f"{kind} {strategy} {opt} {name}")
 
 
 # ---------------------------------------------------------------- features (2 ranks, one spawn)
@@ -134,16 +132,16 @@ def test_use_orig_params_names_and_layout_match_torch(features):
         assert ours["losses"] == theirs["losses"]
         assert ours["shapes"] == theirs["shapes"]  # sharded: 1-D pieces of the local shard, 0 if none here
         assert ours["full_shapes"] == theirs["full_shapes"]  # summoned: the original shapes
-        for a, b in zip(ours["flat"], theirs["flat"]):  # torch aligns every parameter to 16 bytes; so do we
+        for a, b in pairs(ours["flat"], theirs["flat"]):  # torch aligns every parameter to 16 bytes; so do we
             assert np.array_equal(a, b)
-        for name, b in theirs["full"].items():
-            assert np.array_equal(ours["full"][name], b), name
+        for name, a, b in full_items(ours["full"], theirs["full"]):
+            assert np.array_equal(a, b), name
 
 
 def test_no_sync_matches_torch(features):
     """Oracle: torch FSDP1's no_sync on the same two micro-batches; bitwise."""
     for res in features:
-        for a, b in zip(res["nosync_ours"], res["nosync_torch"]):
+        for a, b in pairs(res["nosync_ours"], res["nosync_torch"]):
             assert np.array_equal(a, b)
 
 

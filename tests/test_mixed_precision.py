@@ -20,6 +20,7 @@ import pytest
 import minifsdp
 from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
 from tests import _workers_overlap as W
+from tests._workers_fsdp import full_items, pairs
 
 CASES = [(name, s) for name in W.MP_CASES for s in ("FULL_SHARD", "SHARD_GRAD_OP")] + [("bf16", "orig_params")]
 
@@ -31,13 +32,12 @@ def runs():
 
 def _bitwise(ours, theirs):
     assert ours["losses"] == theirs["losses"]
-    assert len(ours["shards"]) == len(theirs["shards"])
-    for a, b in zip(ours["shards"], theirs["shards"]):
+    for a, b in pairs(ours["shards"], theirs["shards"]):
         assert a.dtype == b.dtype == np.float32  # fp32 master shards
         assert np.array_equal(a, b)
-    for name, b in theirs["full"].items():
-        assert ours["full"][name].dtype == np.float32, name  # state dict in full precision, as torch
-        assert np.array_equal(ours["full"][name], b), name
+    for name, a, b in full_items(ours["full"], theirs["full"]):
+        assert a.dtype == np.float32, name  # state dict in full precision, as torch
+        assert np.array_equal(a, b), name
 
 
 @pytest.mark.timeout(240)
@@ -74,7 +74,7 @@ def test_autocast_and_mixed_precision_differ(runs):
 def test_sharded_grad_scaler_skips_on_every_rank(runs):
     ours = [r["scaler"]["ours"] for r in runs]
     theirs = [r["scaler"]["torch"] for r in runs]
-    for o, t in zip(ours, theirs):
+    for o, t in pairs(ours, theirs):
         _bitwise(o, t)
         assert o["scales"] == t["scales"]
         assert o["stepped"] == t["stepped"] == [True, False, True, True]  # the inf was on rank 1 only

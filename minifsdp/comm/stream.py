@@ -24,15 +24,31 @@ NCCL collectives are enqueued on.
 Note (one stream per group): the streams live in a small table keyed by the
 process group object.  Two groups get two threads; their messages cannot mix
 because torch gives every process group its own connections.
+
+Note (closing before exit): a stream's thread is a daemon, and Python does not
+wait for daemon threads at exit.  A thread still inside a send or receive when
+the interpreter shuts down dies in C++ as it tries to take the GIL back, and
+the process aborts ("terminate called without an active exception").  The
+table also keeps every group object alive, so a destroyed group's connections
+would never close.  :func:`close_streams` stops the threads (each finishes the
+jobs already queued, then exits) and empties the table.  The launcher calls it
+(through :func:`minifsdp.launch.on_teardown`) before it destroys a process
+group, and this module calls it at exit as well.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import Any, Callable
 
-__all__ = ["Work", "CommStream", "stream_for"]
+from minifsdp.launch import on_teardown
+
+__all__ = ["Work", "CommStream", "stream_for", "close_streams", "live_streams"]
+
+CLOSE_TIMEOUT_S = 30.0
+_STOP = object()  # the job that tells a stream's thread to exit
 
 
 class Work:
@@ -75,14 +91,38 @@ class CommStream:
         self.name = name
         self.workspace: dict = {}  # scratch buffers the jobs may reuse (they run one at a time)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._submit_lock = threading.Lock()  # no job may slip in behind the stop marker
         self._thread = threading.Thread(target=self._run, name=f"minifsdp-comm-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], Any], name: str = "collective") -> Work:
         """Queue ``job`` behind every job submitted before it; return its handle."""
         work = Work(name)
-        self._jobs.put((job, work))
+        with self._submit_lock:
+            if self._closed:
+                raise RuntimeError(f"comm stream {self.name} is closed (its process group was torn down); "
+                                   "issue collectives only while the process group exists.")
+            self._jobs.put((job, work))
         return work
+
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> bool:
+        """Let the jobs already queued finish, then stop the thread; True once it has exited.
+
+        A job blocked for good (a receive whose sender is gone) keeps the thread
+        alive: after ``timeout`` seconds we give up and return False.
+        """
+        with self._submit_lock:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put((_STOP, None))
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def is_alive(self) -> bool:
+        """True while the stream's thread runs (before :meth:`close` has finished)."""
+        return self._thread.is_alive()
 
     def synchronize(self) -> None:
         """Wait until every job submitted so far has finished."""
@@ -91,6 +131,8 @@ class CommStream:
     def _run(self) -> None:
         while True:
             job, work = self._jobs.get()
+            if job is _STOP:
+                return
             try:
                 job()
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits
@@ -110,3 +152,35 @@ def stream_for(group: Any) -> CommStream:
         if stream is None:
             stream = _STREAMS[group] = CommStream(name=str(id(group)))
         return stream
+
+
+def close_streams(timeout: float | None = CLOSE_TIMEOUT_S) -> list[str]:
+    """Stop every stream's thread and forget the streams (and with them the groups they keep alive).
+
+    Each thread first finishes the jobs already queued on it.  Returns the names
+    of the threads still alive after ``timeout`` seconds (a job stuck in a
+    receive); normally the list is empty.  A later collective starts a new stream.
+    """
+    with _STREAMS_LOCK:
+        streams = list(_STREAMS.values())
+        _STREAMS.clear()
+    return [s._thread.name for s in streams if not s.close(timeout)]
+
+
+def live_streams() -> list[str]:
+    """Names of the comm-stream threads running now (for tests and teardown checks)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("minifsdp-comm-")]
+
+
+def _close_streams_before_the_group_goes() -> None:
+    stuck = close_streams()
+    if stuck:
+        print(f"minifsdp: comm stream thread(s) {stuck} still busy after {CLOSE_TIMEOUT_S:.0f} s "
+              "(a collective that never completes?); tearing the process group down anyway.", flush=True)
+
+
+# The launcher's teardown closes the streams before it destroys the group.  And even when no
+# launcher of ours tears the group down, no comm thread outlives the interpreter's atexit phase:
+# a daemon thread caught inside C++ at shutdown aborts the process.
+on_teardown(_close_streams_before_the_group_goes)
+atexit.register(_close_streams_before_the_group_goes)

@@ -33,6 +33,15 @@ Note (same order everywhere): collectives are matched by the order in which
 ranks issue them.  Buckets are therefore launched strictly in bucket order (a
 bucket that is ready early waits for the buckets before it), as torch does.
 
+Note (control tensors live where the backend can reach them): besides the
+gradient buckets, DDP sends two small messages of its own, the shape signature
+(``verify_same_shapes``) and rank 0's parameters and buffers.  A plain "nccl"
+group moves CUDA tensors only, so a CPU tensor there fails; :func:`collective_device`
+picks the device for such control tensors (CPU whenever the group has a CPU
+backend: "gloo", "cpu:gloo,cuda:nccl"; else the module's device or the current
+GPU), and :func:`check_backend_supports` turns a CPU module on an NCCL-only group
+into a clear error at construction instead of a failure inside the first collective.
+
 Note (tied weights): ``lm_head.weight is tok_emb.weight`` appears once in
 ``named_parameters()``; autograd sums both uses into one ``.grad`` before the
 post-accumulate hook fires, so the hook fires once per backward, after the
@@ -52,7 +61,8 @@ import torch.nn as nn
 from minifsdp.comm.collectives import get_collectives
 from minifsdp.ddp.buckets import Bucket, assign_buckets, fill_buckets
 
-__all__ = ["DistributedDataParallel", "DDP", "assign_buckets", "verify_same_shapes"]
+__all__ = ["DistributedDataParallel", "DDP", "assign_buckets", "verify_same_shapes", "backend_devices",
+           "collective_device", "check_backend_supports"]
 
 MiB = 2**20
 
@@ -67,6 +77,58 @@ def _all_reduce_sum(kind: str):
     raise ValueError(f"collectives must be 'torch' or 'ring', got {kind!r}")
 
 
+def _name(group) -> str:
+    """The backend's name: ``group`` itself if it is one, else ``dist.get_backend(group)``."""
+    return group if isinstance(group, str) else str(dist.get_backend(group))
+
+
+def backend_devices(group=None) -> list[str]:
+    """The device types that ``group``'s backend runs collectives on.
+
+    ``group``: a process group, None (the default group), or a backend name as
+    ``init_process_group`` takes it.  "gloo" -> ["cpu", "cuda"]; "nccl" -> ["cuda"];
+    "cpu:gloo,cuda:nccl" -> ["cpu", "cuda"] (torch's ``Backend.backend_capability``
+    for a single backend, the "device:backend" pairs for a mixed one).
+    """
+    backend = _name(group).lower()
+    if ":" in backend:
+        return [pair.split(":")[0].strip() for pair in backend.split(",")]
+    return list(dist.Backend.backend_capability.get(backend, ["cpu"]))
+
+
+def collective_device(group=None, like: torch.Tensor | None = None) -> torch.device:
+    """Where a small control tensor (a checksum, a flag, a norm) must live to go through ``group``.
+
+    CPU whenever the group has a CPU backend (gloo, or the "cpu:" half of a mixed group):
+    the value is read in Python right after, so it saves a device copy, and a run on
+    gloo stays exactly what it was.  Otherwise (a plain "nccl" group) the device of
+    ``like`` (the module's parameters) if the backend takes it, else the current CUDA device,
+    as torch's own object collectives choose (``distributed_c10d._get_object_coll_device``).
+    """
+    kinds = backend_devices(group)
+    if "cpu" in kinds:
+        return torch.device("cpu")
+    if like is not None and like.device.type in kinds:
+        return like.device
+    if "cuda" in kinds and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise RuntimeError(f"no device for a collective on backend {_name(group)!r} "
+                       f"(it runs on {kinds}); is this process's GPU visible?")
+
+
+def check_backend_supports(group, tensors, who: str) -> None:
+    """Raise a clear error if a module tensor sits on a device ``group``'s backend cannot send (CPU on NCCL)."""
+    kinds = backend_devices(group)
+    for device in dict.fromkeys(t.device for t in tensors):
+        if device.type not in kinds:
+            raise ValueError(
+                f"{who}: the module is on {device}, but the process group's backend "
+                f"{_name(group)!r} moves only {'/'.join(kinds)} tensors. Move the module to this "
+                "rank's GPU first (module.to(torch.cuda.current_device())), or init the group with "
+                "backend='cpu:gloo,cuda:nccl' (or 'gloo') to train on CPU."
+            )
+
+
 def verify_same_shapes(module: nn.Module, group=None) -> None:
     """Raise on every rank if the ranks' parameters differ in name, shape or dtype.
 
@@ -76,7 +138,8 @@ def verify_same_shapes(module: nn.Module, group=None) -> None:
     Every rank sees every signature, so every rank raises: none is left waiting.
     """
     sig = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
-    mine = torch.tensor([len(sig), zlib.crc32(repr(sig).encode())], dtype=torch.int64)
+    device = collective_device(group, like=next(module.parameters(), None))
+    mine = torch.tensor([len(sig), zlib.crc32(repr(sig).encode())], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
@@ -149,6 +212,8 @@ class DistributedDataParallel(nn.Module):
         self._all_reduce = _all_reduce_sum(collectives)
         self.collectives = collectives
 
+        check_backend_supports(process_group, list(module.parameters()) + list(module.buffers()),
+                               "DistributedDataParallel")
         verify_same_shapes(module, process_group)
         with torch.no_grad():  # every rank starts from rank 0's numbers
             for t in list(module.parameters()) + list(module.buffers()):

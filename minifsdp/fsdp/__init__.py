@@ -7,12 +7,14 @@ Read in this order (each module imports only those above it):
     flat_param.py       ch 2.1: flatten, pad, shard, unflatten views
     sharding.py         ch 2.1: strategies, process groups, the gradient divide factors, FSDP's collectives
     mixed_precision.py  ch 4.1: MixedPrecision (the dtypes a handle gathers and reduces in), ShardedGradScaler
-    handle.py           one unit's tensors and collectives: gather, free, reduce-scatter
+    reduction.py        a unit's gradient: reduce-scatter / all-reduce, divide, cast, accumulate
+    handle.py           one unit's tensors and collectives: gather, free (its gradient: reduction.py)
     prefetch.py         ch 2.5: which unit's all-gather to start early, and the rate limit
     events.py           what a unit reports to an attached tracer (``tools/tracing.py`` records it)
     checks.py           bad input at wrap time: devices, weights that differ across ranks, a stale optimizer
     wrap.py             ch 2.5: auto-wrap policies
     root.py             the root unit: elected at the first forward, keeps the step's bookkeeping
+    backward.py         the hooks autograd calls: pre-/post-backward, frozen units' reshard, final callback
     fully_sharded.py    FullyShardedDataParallel: the module users see; hooks, order, state
     full_params.py      summon_full_params, clip_grad_norm_, the full state dict
     activation_checkpointing.py  ch 2.3: recompute whole blocks in the backward

@@ -30,13 +30,30 @@ parameter names (and state dicts) stay the plain model's.  torch wraps the
 module in a ``CheckpointWrapper`` instead and strips its name prefix in state
 dicts; the computation is the same.
 
-Note (bitwise): the recompute performs the same ops on the same inputs, so on
-CPU every gradient is bitwise equal to the run without checkpointing
-(``tests/test_activation_checkpointing.py``).
+Note (the recompute replays the forward's context): backward runs later, outside
+the ``torch.autocast`` block and after other ops have drawn random numbers, so the
+recompute re-enters what the first forward saw, as ``torch.utils.checkpoint`` does:
+* the RNG: the CPU generator's state, and the generator state of every accelerator
+  device an input tensor lives on (a CUDA dropout draws from the CUDA generator, not
+  the CPU one; without it the recomputed masks differ from the forward's);
+* autocast: enabled/dtype for "cpu" and for each device type of the inputs (and
+  "cuda" when available), plus the cache flag.  Without it a block run under
+  ``torch.autocast("cpu", dtype=torch.bfloat16)`` recomputes in fp32, saves fp32
+  tensors where backward expects bf16 ones, and its backward fails with
+  "expected m1 and m2 to have the same dtype" (or, for ops that accept mixed
+  dtypes, gives other gradients).
+Like torch, only the inputs' devices are replayed: a function that creates random
+numbers on a device none of its inputs is on is not covered.
+
+Note (bitwise): the recompute performs the same ops on the same inputs in the same
+RNG and autocast state, so on CPU every gradient is bitwise equal to the run without
+checkpointing, with and without autocast and dropout (``tests/test_activation_checkpointing.py``,
+``tests/test_device_paths.py``; on CUDA ``tests/gpu/test_checkpoint_cuda.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable
 
@@ -48,12 +65,74 @@ from minifsdp.fsdp.units import is_unit
 __all__ = ["checkpoint", "apply_activation_checkpointing", "is_checkpointed"]
 
 
+def _input_devices(args: tuple, kwargs: dict) -> list[torch.device]:
+    """The accelerator devices (not cpu, not meta) that the input tensors live on, in first-seen order."""
+    found: dict[torch.device, None] = {}
+    for t in _tensors_in((args, kwargs)):
+        if t.device.type not in ("cpu", "meta"):
+            found[t.device] = None
+    return list(found)
+
+
+def _tensors_in(obj):
+    """Every tensor in a nest of tuples, lists and dict values."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors_in(o)
+
+
+def _device_rng_states(devices: list[torch.device]) -> list[tuple[torch.device, torch.Tensor]]:
+    """``(device, generator state)`` for each device, via its backend module (``torch.cuda``, ``torch.xpu``...)."""
+    states = []
+    for d in devices:
+        module = getattr(torch, d.type, None)
+        if module is None or not hasattr(module, "get_rng_state"):
+            continue  # a device without a generator API: nothing to replay
+        states.append((d, module.get_rng_state(d)))
+    return states
+
+
+def _autocast_state(devices: list[torch.device]) -> list[tuple[str, dict]]:
+    """``(device_type, autocast kwargs)`` for cpu, the inputs' device types, and cuda when it is there."""
+    types = ["cpu"] + [d.type for d in devices] + (["cuda"] if torch.cuda.is_available() else [])
+    state = []
+    for t in dict.fromkeys(types):
+        if torch.amp.is_autocast_available(t):
+            state.append((t, {"enabled": torch.is_autocast_enabled(t), "dtype": torch.get_autocast_dtype(t),
+                              "cache_enabled": torch.is_autocast_cache_enabled()}))
+    return state
+
+
+@contextlib.contextmanager
+def _replayed(cpu_rng: torch.Tensor, device_rng: list, autocast: list):
+    """Run the body in the saved RNG and autocast state; afterwards every generator is as it was."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # restores the CPU generator on exit
+        torch.set_rng_state(cpu_rng)
+        for device, state in device_rng:
+            module = getattr(torch, device.type)
+            current = module.get_rng_state(device)
+            stack.callback(module.set_rng_state, current, device)  # restored on exit, as fork_rng does
+            module.set_rng_state(state, device)
+        for device_type, kwargs in autocast:
+            stack.enter_context(torch.autocast(device_type, **kwargs))
+        yield
+
+
 class _Recomputation:
     """The tensors one checkpointed call would have saved, recomputed on first demand."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.rng_state = torch.get_rng_state()
+        devices = _input_devices(args, kwargs)
+        self.cpu_rng = torch.get_rng_state()
+        self.device_rng = _device_rng_states(devices)
+        self.autocast = _autocast_state(devices)
         self.saved: list[torch.Tensor | None] | None = None
 
     def get(self, index: int) -> torch.Tensor:
@@ -72,8 +151,7 @@ class _Recomputation:
         # Inputs cut from the first forward's graph: the recompute builds a throw-away graph of its own.
         args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                      for a in self.args)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            torch.set_rng_state(self.rng_state)
+        with _replayed(self.cpu_rng, self.device_rng, self.autocast), torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda i: collected[i]):
                 self.fn(*args, **self.kwargs)
         return collected

@@ -12,7 +12,8 @@
   all-reduce), so the result is torch's to the last bit.
 * ``model.state_dict()``: the full state dict, original names, every rank (or
   rank 0 only), loadable into the plain model; ``model.load_state_dict(sd)``
-  takes one back.
+  takes one back.  Both gather one unit at a time, walking the modules in
+  ``nn.Module.state_dict``'s order, as torch FSDP1's state-dict hooks.
 
 Note (padding): the zeros that pad a flat parameter never reach a state dict
 or a norm's value (they are zero in parameters and gradients alike).
@@ -27,10 +28,11 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from minifsdp.fsdp.root import buffer_dtype_of
 from minifsdp.fsdp.state import HandleState, TrainingState
-from minifsdp.fsdp.units import is_unit, key_of, module_names
+from minifsdp.fsdp.units import clean_name, is_unit
 from minifsdp.fsdp.units import units_with_params as _units
 
 __all__ = ["summon_full_params", "clip_grad_norm_", "full_state_dict", "load_full_state_dict"]
@@ -38,12 +40,17 @@ __all__ = ["summon_full_params", "clip_grad_norm_", "full_state_dict", "load_ful
 
 
 @contextlib.contextmanager
-def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True):
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False):
     """Inside: every unit under ``module`` is whole; ``module.blocks[0].attn.qkv.weight`` has its full shape.
 
     Collective: call it on every rank.  With ``writeback=True`` (torch's default)
     in-place edits to the full parameters are copied back into each rank's shard.
+    ``rank0_only=True`` (torch's, with ``writeback=False``): the other ranks take part
+    in the all-gathers and free the result at once; inside, they see their shards.
     """
+    if rank0_only and writeback:
+        raise NotImplementedError("summon_full_params(rank0_only=True) needs writeback=False (as in torch): "
+                                  "only rank 0 holds the full parameters to write back from")
     if recurse:
         units = _units(module)
     else:  # only this unit's own parameters, as torch (never a child's in its place)
@@ -55,11 +62,16 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     states = [u.training_state for u in units]
     # A unit gathered before (the root between forward and backward) stays gathered after, as in torch.
     keep = [u._handle.state is HandleState.UNSHARDED and not u._handle.uses_param_mp for u in units]
+    shown = not rank0_only or dist.get_rank() == 0
     with torch.no_grad():
-        for u in units:
+        for u, kept in zip(units, keep):
             u.training_state = TrainingState.SUMMON_FULL_PARAMS
             u._handle.set_full_precision(True)  # fp32, never the low-precision copy (as torch)
             u._handle.unshard()
+            if not shown:  # rank0_only, another rank: it only took part in the all-gather
+                if not kept:
+                    u._handle.reshard()
+                continue
             u._parameters.pop("_flat_param", None)  # torch shows the original parameters, not the flat one
             u._handle.use_full_params()
     try:
@@ -67,14 +79,17 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     finally:
         with torch.no_grad():
             for u, state, kept in zip(units, states, keep):
-                if writeback:
-                    u._handle.write_back()
-                if not kept:
-                    u._handle.reshard()
-                u._handle.set_full_precision(False)
-                u._handle.drop_full_params()
-                if not u._handle.use_orig_params:
-                    u.register_parameter("_flat_param", u._handle.flat_param)
+                if shown:
+                    if writeback:
+                        u._handle.write_back()
+                    if not kept:
+                        u._handle.reshard()
+                    u._handle.set_full_precision(False)
+                    u._handle.drop_full_params()
+                    if not u._handle.use_orig_params:
+                        u.register_parameter("_flat_param", u._handle.flat_param)
+                else:
+                    u._handle.set_full_precision(False)
                 u.training_state = state
 
 
@@ -118,43 +133,115 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
     return total
 
 
+def _walk(module: nn.Module, visit, gather: bool, writeback: bool = False, rank0_only: bool = False,
+          prefix: str = "") -> None:
+    """Visit ``module`` and its submodules in ``nn.Module.state_dict``'s order: own tensors, then children.
+
+    With ``gather``, each unit is gathered (``summon_full_params(unit, recurse=False)``) from
+    the moment the walk reaches it until it leaves it, as torch FSDP1's state-dict hooks
+    do (``_state_dict_utils.py``): alive at once are the units on the path from the root,
+    not every unit of the model.
+    """
+    unit = gather and is_unit(module)
+    with summon_full_params(module, recurse=False, writeback=writeback,
+                            rank0_only=rank0_only) if unit else contextlib.nullcontext():
+        visit(module, prefix)
+        for name, child in module._modules.items():
+            if child is not None:
+                _walk(child, visit, gather, writeback, rank0_only, f"{prefix}{name}.")
+
+
+def _flattened_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[tuple[int, str], torch.Size]]:
+    """(id(submodule) -> the names its parameters had before flattening, in the order torch's summon
+    registers them: its own slots, then its tied names; (id, name) -> the full shape)."""
+    names, shapes = {}, {}
+    for u in _units(module):
+        layout = u._handle.layout
+        for s in layout.slots:
+            names.setdefault(id(s.module), []).append(s.name)
+            shapes[id(s.module), s.name] = s.shape
+        for sh in layout.shared:
+            names.setdefault(id(sh.module), []).append(sh.name)
+            shapes[id(sh.module), sh.name] = layout.slots[sh.primary].shape
+    return names, shapes
+
+
+def _param_names(m: nn.Module, flattened: dict[int, list[str]]) -> list[str]:
+    """``m``'s parameter names as its state dict has them (registered ones, then those flattened away)."""
+    registered = [n for n, p in m._parameters.items() if p is not None and not getattr(p, "_minifsdp_flat", False)]
+    return registered + [n for n in flattened.get(id(m), []) if n not in registered]
+
+
+def _persistent_buffers(m: nn.Module) -> list[str]:
+    return [n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
+
+
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> "OrderedDict[str, torch.Tensor]":
-    """Every parameter (tied ones under both names) and persistent buffer, whole, with the plain model's names."""
-    names = module_names(module)
+    """Every parameter (tied ones under both names) and persistent buffer, whole, with the plain model's names.
+
+    In ``module.state_dict()``'s key order, gathered unit by unit (:func:`_walk`).  With
+    ``rank0_only`` every rank takes part in the all-gathers, only rank 0 copies (the
+    others return ``{}``), as torch's ``FullStateDictConfig(rank0_only=True)``.
+    """
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    keep = not rank0_only or dist.get_rank() == 0
+    clones: dict[int, tuple] = {}  # a tied parameter is copied once, shown under both names
 
-    def key(m, attr):
-        return key_of(names, m, attr)
+    def visit(m, prefix):
+        if not keep:
+            return
+        for name in _param_names(m, {}):
+            p = m._parameters[name]
+            if id(p) not in clones:  # (p, its copy): p kept alive, so that its id is not reused
+                clones[id(p)] = (p, p.detach().clone())
+            out[clean_name(prefix + name)] = clones[id(p)][1]
+        for name in _persistent_buffers(m):  # in its own dtype (before buffer_dtype's cast), as torch
+            b = m._buffers[name]
+            out[clean_name(prefix + name)] = b.detach().to(buffer_dtype_of(module, m, name, b), copy=True)
 
-    with summon_full_params(module, writeback=False):
-        for u in _units(module):
-            layout = u._handle.layout
-            for slot in layout.slots:
-                out[key(slot.module, slot.name)] = getattr(slot.module, slot.name).detach().clone()
-            for sh in layout.shared:
-                out[key(sh.module, sh.name)] = out[key(layout.slots[sh.primary].module, layout.slots[sh.primary].name)]
-        for m in module.modules():
-            for b_name, b in m._buffers.items():
-                if b is not None and b_name not in m._non_persistent_buffers_set:  # in its own dtype, as torch
-                    out[key(m, b_name)] = b.detach().to(buffer_dtype_of(module, m, b_name, b), copy=True)
-    if rank0_only and dist.get_rank() != 0:
-        return OrderedDict()
+    with torch.no_grad():
+        _walk(module, visit, gather=True, rank0_only=rank0_only)
     return out
 
 
-def load_full_state_dict(module: nn.Module, state_dict, strict: bool = True) -> None:
-    """Copy a full state dict (plain names) into the shards: each rank keeps its slice."""
-    expected = full_state_dict(module).keys()
-    missing, unexpected = set(expected) - set(state_dict), set(state_dict) - set(expected)
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"load_state_dict: missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}")
-    names = module_names(module)
-    with summon_full_params(module, writeback=True), torch.no_grad():
-        for m in module.modules():
-            prefix = names[id(m)] + "." if names[id(m)] else ""
-            tensor_names = list(m._buffers)
-            for u in _units(module):
-                tensor_names += [s.name for s in u._handle.layout.slots if s.module is m]
-            for attr in tensor_names:
-                if prefix + attr in state_dict and getattr(m, attr) is not None:
-                    getattr(m, attr).copy_(state_dict[prefix + attr])
+def load_full_state_dict(module: nn.Module, state_dict, strict: bool = True) -> _IncompatibleKeys:
+    """Copy a full state dict (plain names) into the shards, unit by unit: each rank keeps its slice.
+
+    Returns torch's ``_IncompatibleKeys(missing_keys, unexpected_keys)``; with ``strict``
+    either one raises torch's message.  A size mismatch always raises.  Unlike torch, every
+    check is made before anything is copied (from the layouts: no all-gather), so a
+    refused state dict leaves the model as it was.
+    """
+    flattened, full_shapes = _flattened_names(module)
+    expected: dict[str, torch.Size] = {}
+
+    def expect(m, prefix):
+        for name in _param_names(m, flattened):
+            expected[clean_name(prefix + name)] = full_shapes.get((id(m), name), getattr(m, name).shape)
+        for name in _persistent_buffers(m):
+            expected[clean_name(prefix + name)] = m._buffers[name].shape
+
+    _walk(module, expect, gather=False)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    errors = []  # torch's messages, in its order
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+    errors += [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from checkpoint, the "
+               f"shape in current model is {shape}." for k, shape in expected.items()
+               if k in state_dict and tuple(state_dict[k].shape) != tuple(shape)]
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+            type(module).__name__, "\n\t".join(errors)))
+
+    def load(m, prefix):
+        for name in _param_names(m, {}) + _persistent_buffers(m):
+            key = clean_name(prefix + name)
+            if key in state_dict:
+                getattr(m, name).copy_(state_dict[key])
+
+    with torch.no_grad():
+        _walk(module, load, gather=True, writeback=True)
+    return _IncompatibleKeys(missing, unexpected)

@@ -21,6 +21,9 @@ Two objects per unit, each with one job, and calls go one way (unit -> handle):
     FullyShardedDataParallel (this module)   hooks, order, TrainingState: decides *when*
     FlatParamHandle (``handle.py``)           tensors and collectives, HandleState: does *what*
 
+The forward is here; the backward's hooks (pre-backward, post-backward, a frozen
+unit's reshard-only hook, the final callback) are ``backward.py``.
+
 Mixed precision: ``mixed_precision.py``; activation checkpointing:
 ``activation_checkpointing.py``; summon, clipping and state dicts:
 ``full_params.py``; a timeline of it all: ``minifsdp/tools/tracing.py``.
@@ -39,6 +42,7 @@ holds the old tensors, which no longer train: its first ``step()`` raises.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -47,6 +51,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from minifsdp.fsdp import full_params
+from minifsdp.fsdp.backward import post_backward, pre_backward, register_reshard_only_hook
 from minifsdp.fsdp.checks import (
     broadcast_from_rank0,
     check_one_device,
@@ -61,7 +66,7 @@ from minifsdp.fsdp.root import RootStep, check_versions, init_root, shard_versio
 from minifsdp.fsdp.sharding import RESHARD_AFTER_FORWARD, Comm, ShardingStrategy, resolve_groups
 from minifsdp.fsdp.state import TrainingState
 from minifsdp.fsdp.units import Unit, clean_name, units
-from minifsdp.fsdp.wrap import recursive_wrap
+from minifsdp.fsdp.wrap import check_ties_across_units, recursive_wrap
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision"]
 
@@ -130,6 +135,7 @@ class FullyShardedDataParallel(Unit):
         if device_id is not None:
             module.to(torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id))
         self._fsdp_wrapped_module = module
+        check_ties_across_units(module, use_orig_params)  # wrap.py: a weight tied across units
         params = [p for p in module.parameters() if not _is_managed(p)]
         buffers = _own_buffers(module)
         check_one_device(module, params, buffers)
@@ -149,8 +155,9 @@ class FullyShardedDataParallel(Unit):
         self._root_step: RootStep | None = None  # the root's only
         self._sync_gradients = True  # False inside no_sync()
         self._tracer = None  # a tools.tracing.Tracer while one is attached
+        self._reshard_only_hook = None  # a frozen unit's post-backward, on its inputs (this iteration's)
         if self._handle is not None and self._handle.unsharded.requires_grad:
-            self._handle.unsharded.register_post_accumulate_grad_hook(lambda _leaf: self._post_backward())
+            self._handle.unsharded.register_post_accumulate_grad_hook(lambda _leaf: post_backward(self))
         install_optimizer_check()
 
     # ------------------------------------------------------------------ what users see
@@ -211,8 +218,11 @@ class FullyShardedDataParallel(Unit):
         return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state dict (as the plain model's ``state_dict()``); each rank keeps its shard."""
-        full_params.load_full_state_dict(self, state_dict, strict=strict)
+        """Load a full state dict (as the plain model's ``state_dict()``); each rank keeps its shard.
+
+        Returns torch's ``_IncompatibleKeys(missing_keys, unexpected_keys)``, plain names.
+        """
+        return full_params.load_full_state_dict(self, state_dict, strict=strict)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -226,6 +236,8 @@ class FullyShardedDataParallel(Unit):
                 args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         if mp is not None and mp.cast_forward_inputs and h is not None:
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+        if h is not None and not h.unsharded.requires_grad:
+            register_reshard_only_hook(self, args, kwargs)  # backward.py
         awaiting = self.training_state is TrainingState.AWAITING_BACKWARD  # called twice in one step
         self.training_state = TrainingState.FORWARD
         if h is not None:
@@ -241,14 +253,14 @@ class FullyShardedDataParallel(Unit):
             self.training_state = TrainingState.AWAITING_BACKWARD if awaiting else TrainingState.IDLE
             if h is not None:
                 step.order.record_post_forward(self)
-                if not self.is_root and self.sharding_strategy in RESHARD_AFTER_FORWARD:
-                    h.reshard()
+                if h.casts_unsharded or (not self.is_root and self.sharding_strategy in RESHARD_AFTER_FORWARD):
+                    h.reshard()  # (torch frees NO_SHARD's low-precision copy after every forward, the root's too)
                 if h.use_orig_params:
                     h.use_sharded_views()
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             for t in tensors:
-                t.register_hook(self._pre_backward)
+                t.register_hook(functools.partial(pre_backward, self))
             if tensors:
                 self.training_state = TrainingState.AWAITING_BACKWARD
                 if self.is_root:
@@ -260,71 +272,12 @@ class FullyShardedDataParallel(Unit):
         if step.versions_at_forward is not None and torch.is_grad_enabled():
             check_versions(step)
         elif step.versions_at_forward is None:
-            # Idle: drop full buffers kept from a no-grad forward; the shards may have been stepped since.
+            # Idle: a full buffer kept since its gather (the root's after a forward; SHARD_GRAD_OP's under
+            # no_sync or after a no-grad forward) is used again, as in torch, unless its shard has changed
+            # since (an optimizer step): then it is stale, gather again (torch would use it as it is).
             for unit in step.units:
-                if unit._handle is not None:
+                if unit._handle is not None and unit._handle.stale():
                     unit._handle.reshard()
-
-    # ------------------------------------------------------------------ backward
-    def _pre_backward(self, grad):
-        """Autograd reached one of this unit's outputs: gather its parameters again (once per backward)."""
-        root = self._root
-        step = root._root_step
-        if not step.final_callback_queued:
-            step.final_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root._final_callback)
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
-            return None  # another of its outputs already brought it here
-        self.training_state = TrainingState.PRE_BACKWARD
-        h = self._handle
-        if h is not None:
-            h.unshard()
-            if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                prefetch(step.order.next_in_backward(self), step.units, root.limit_all_gathers, in_backward=True)
-            if h.use_orig_params:  # a recompute (activation_checkpointing.py) reads the parameters again
-                h.use_unsharded_views()
-            h.prepare_gradient()
-            if self._tracer is not None:
-                self._tracer.open("backward", h.name)
-        return None
-
-    def _post_backward(self) -> None:
-        """Autograd has summed this unit's full gradient: start its reduction, free its parameters."""
-        h, root = self._handle, self._root
-        step = root._root_step
-        self.training_state = TrainingState.POST_BACKWARD
-        if self._tracer is not None:
-            self._tracer.close("backward", h.name)
-        if h.use_orig_params:
-            h.use_sharded_views()
-        if not self._sync_gradients:
-            h.expose_unsharded_grad()  # where zero_grad() can reach it, as in torch
-        else:
-            # At most one reduction in flight: finish the previous unit's (it had this unit's whole
-            # backward to complete) so its full gradient is freed now, not at the end of the backward.
-            for unit in step.units:
-                if unit is not self and unit._handle is not None and unit._handle.pending:
-                    unit._handle.finish_reduce()
-            h.start_reduce()
-        if h.sharded and (self._sync_gradients or self.sharding_strategy in RESHARD_AFTER_FORWARD):
-            h.reshard()
-        if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            prefetch(step.order.next_in_backward(self), step.units, root.limit_all_gathers, in_backward=True)
-
-    def _final_callback(self) -> None:
-        """Runs once at the end of the backward: finish every reduction, every unit back to IDLE."""
-        step = self._root_step
-        for unit in step.units:
-            unit.training_state = TrainingState.IDLE
-            h = unit._handle
-            if h is None:
-                continue
-            h.finish_reduce()
-            if h.sharded and (unit._sync_gradients or unit.sharding_strategy in RESHARD_AFTER_FORWARD):
-                h.reshard()
-        step.final_callback_queued = False
-        step.versions_at_forward = None
-        step.order.end_iteration()
 
     # ------------------------------------------------------------------ no_sync
     @contextlib.contextmanager

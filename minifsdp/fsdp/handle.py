@@ -26,7 +26,12 @@ writing the all-gather into ``padded`` is invisible to autograd's "modified by
 an inplace operation" check, as in torch FSDP1.
 
 Note (NO_SHARD): nothing to gather; ``unsharded`` *is* ``flat_param`` and its
-gradient is all-reduced in place.
+gradient is all-reduced in place.  With ``MixedPrecision(param_dtype=...)`` the
+compute copy is a *cast* of ``flat_param`` instead (``casts_unsharded``): made
+at each use, freed after it, as torch's ``_mp_shard``; HandleState then says
+whether that copy exists (SHARDED: freed, UNSHARDED: cast).
+
+The gradient half (reduce-scatter, all-reduce, accumulation) is ``reduction.py``.
 
 Note (one job): the handle owns a unit's tensors and the collectives that move
 them; it never calls back into its unit.  The unit (``fully_sharded.py``) decides
@@ -42,15 +47,8 @@ import torch.nn as nn
 from minifsdp.fsdp.events import span
 from minifsdp.fsdp.flat_param import build_layout, flatten, shard, unflatten
 from minifsdp.fsdp.mixed_precision import MixedPrecision
-from minifsdp.fsdp.sharding import (
-    SHARDED,
-    Comm,
-    ShardGroups,
-    ShardingStrategy,
-    finish_reduced_shard,
-    predivide_factor,
-    prepare_for_reduce_scatter,
-)
+from minifsdp.fsdp.reduction import GradientReduction
+from minifsdp.fsdp.sharding import SHARDED, Comm, ShardGroups, ShardingStrategy, predivide_factor
 from minifsdp.fsdp.state import HandleState
 
 __all__ = ["FlatParamHandle", "set_tensor_attr", "clear_tensor_attr"]
@@ -70,16 +68,8 @@ def clear_tensor_attr(module: nn.Module, name: str) -> None:
     module.__dict__.pop(name, None)
 
 
-def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.grad = grad`` although their shapes differ (torch FSDP1 does the same): swap ``.data`` around it."""
-    data = param.data
-    param.data = grad
-    param.grad = grad
-    param.data = data
-
-
-class FlatParamHandle:
-    """One unit's flat parameter: its layout, local shard, full buffer and gradient reduction."""
+class FlatParamHandle(GradientReduction):
+    """One unit's flat parameter: its layout, local shard, full buffer; its gradient (``reduction.py``)."""
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ShardGroups,
                  strategy: ShardingStrategy, use_orig_params: bool, comm: Comm,
@@ -109,24 +99,22 @@ class FlatParamHandle:
         self.param_dtype, self.reduce_dtype = (mixed_precision.dtypes_for(self.orig_dtype) if mixed_precision
                                                else (self.orig_dtype, self.orig_dtype))
         self.uses_param_mp = self.param_dtype != self.orig_dtype
-        if (self.uses_param_mp or self.reduce_dtype != self.orig_dtype) and not self.sharded:
-            raise NotImplementedError("MixedPrecision with NO_SHARD is not implemented in minifsdp; "
-                                      "use FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD")
+        self.casts_unsharded = self.uses_param_mp and not self.sharded  # NO_SHARD: cast, no gather
+        self.frees = self.sharded or self.casts_unsharded  # the full (compute) buffer is freed between uses
         # torch aligns each parameter to 16 bytes (of the compute dtype) when use_orig_params=True; so do we.
         align = 16 // self.param_dtype.itemsize if use_orig_params else 0
         self.layout = build_layout(module, params, n, align_numel=align)
         full = flatten(self.layout)
         requires_grad = any(rg)
         self.full_precision = False  # summon_full_params: gather fp32 (torch's _force_full_precision)
-        if self.sharded:
-            self.flat_param = nn.Parameter(shard(full, self.rank, n), requires_grad=requires_grad)
+        self.flat_param = nn.Parameter(shard(full, self.rank, n), requires_grad=requires_grad)  # n = 1: all
+        if self.frees:
             self.padded = torch.empty_like(full, dtype=self.param_dtype)
             self.unsharded = torch.empty(0, dtype=self.param_dtype, device=full.device).requires_grad_(requires_grad)
             self.unsharded.data = self.padded[: self.layout.numel]  # own version counter: see Note
             self.padded.untyped_storage().resize_(0)  # starts freed
             self.state = HandleState.SHARDED
         else:
-            self.flat_param = nn.Parameter(full[: self.layout.numel].clone(), requires_grad=requires_grad)
             self.unsharded = self.flat_param
             self.state = HandleState.UNSHARDED
         self.flat_param._minifsdp_flat = True
@@ -137,6 +125,7 @@ class FlatParamHandle:
         self.grad_exposed = False  # a no_sync gradient is shown on flat_param.grad / the originals' .grad
         self.saved_grad_shard = None  # a reduced shard set aside while flat_param.grad shows a full gradient
         self._gather = None  # while GATHERING: (work, the local shard being sent)
+        self.gathered_from = None  # shard_version() at the last gather (or cast)
         self.name = "unit"  # its module path, set by the root (for the tracer)
         self.tracer = None  # a tools.tracing.Tracer while one is attached
 
@@ -144,18 +133,22 @@ class FlatParamHandle:
     def take_over_params(self) -> None:
         """After flattening: the module's names stop being the original parameters.
 
-        Every original parameter is marked as owned (a parent unit must not flatten
-        it again).  With ``use_orig_params=False`` it also leaves its module: the
-        unit registers ``flat_param`` instead, an optimizer still holding an
-        original is refused at its first step (``checks.py``), and the layout lets
-        go of it (``slot.param = None``), so its full-size data is freed unless the
-        user still holds it (as in torch).  With ``use_orig_params=True`` the
-        originals stay, their ``.data`` a view of this rank's shard.  Then each name
-        points at its sharded view (``use_sharded_views``).
+        With ``use_orig_params=False`` each original leaves its module: the unit
+        registers ``flat_param`` instead, an optimizer still holding an original is
+        refused at its first step (``checks.py``), and the layout lets go of it
+        (``slot.param = None``), so its full-size data is freed unless the user still
+        holds it (as in torch).  With ``use_orig_params=True`` the originals stay,
+        their ``.data`` a view of this rank's shard, and are marked as owned, so a
+        parent unit does not flatten them again (torch's ``_fsdp_flattened`` mark, set
+        only then).  Either way each records where it was flattened, for the error or
+        warning about a weight tied across units (``wrap.check_ties_across_units``).
+        Then each name points at its sharded view (``use_sharded_views``).
         """
         for slot in self.layout.slots:
-            slot.param._minifsdp_owner = True
-            if not self.use_orig_params:
+            slot.param._minifsdp_flattened_at = (slot.module, slot.name)
+            if self.use_orig_params:
+                slot.param._minifsdp_owner = True
+            else:
                 slot.param._minifsdp_orphan = slot.fqn  # the optimizer-before-wrap check looks for it
                 del slot.module._parameters[slot.name]
                 slot.param = None  # the flat buffer holds the numbers now: keep no full-size copy
@@ -171,11 +164,18 @@ class FlatParamHandle:
 
     def start_unshard(self, prefetch: bool = False) -> None:
         """Issue the all-gather (async); with mixed precision, of the shard cast to ``param_dtype``."""
+        if self.stale():
+            self.reshard()  # kept since its gather, but an optimizer step changed the shard since: gather again
         if self.state is not HandleState.SHARDED:
+            return
+        self.gathered_from = self.shard_version()
+        self.padded.untyped_storage().resize_(self.padded.numel() * self.padded.element_size())
+        if self.casts_unsharded:  # NO_SHARD: torch's _mp_shard.copy_(local shard), nothing to gather
+            self.padded.copy_(self.flat_param.data)
+            self.state = HandleState.UNSHARDED
             return
         if self.tracer is not None:
             self.tracer.instant("all-gather issued", self.name, prefetch=prefetch)
-        self.padded.untyped_storage().resize_(self.padded.numel() * self.padded.element_size())
         local = self.flat_param.data
         if self.padded.dtype != local.dtype:
             local = local.to(self.padded.dtype)  # torch: _mp_shard.copy_(local shard); one rounding
@@ -208,10 +208,24 @@ class FlatParamHandle:
             self.padded, self.unsharded = self._low_precision
             del self._low_precision
 
+    def shard_version(self) -> tuple[int, ...]:
+        """The local shard's version counters: an in-place update (an optimizer step) bumps them.
+
+        With ``use_orig_params`` the optimizer steps the original parameters, views of
+        the shard made by ``.data =``, which keep counters of their own: read those too.
+        """
+        if not self.use_orig_params:
+            return (self.flat_param._version,)
+        return (self.flat_param._version, *(s.param._version for s in self.layout.slots))
+
+    def stale(self) -> bool:
+        """The full buffer is there, but the shard changed since it was gathered (an optimizer step since)."""
+        return self.frees and self.state is not HandleState.SHARDED and self.gathered_from != self.shard_version()
+
     def reshard(self) -> None:
-        """Free the full buffer (sharded strategies only)."""
+        """Free the full buffer (sharded strategies, or NO_SHARD's low-precision copy)."""
         self.wait_unshard()  # never free a buffer an all-gather is still writing
-        if self.sharded and self.state is HandleState.UNSHARDED:
+        if self.frees and self.state is HandleState.UNSHARDED:
             self.padded.untyped_storage().resize_(0)
             self.state = HandleState.SHARDED
 
@@ -282,100 +296,6 @@ class FlatParamHandle:
 
     def write_back(self) -> None:
         """Copy the local part of the full buffer back into the shard (after summon_full_params edits)."""
-        if self.sharded and self.state is HandleState.UNSHARDED:
+        if self.frees and self.state is HandleState.UNSHARDED:
             start, end = self.layout.shard_range(self.rank)
             self.flat_param.data.copy_(self.padded[start:end])
-
-    # ------------------------------------------------------------------ gradients
-    def prepare_gradient(self) -> None:
-        """Pre-backward: honour a ``zero_grad()`` the user called since the last backward.
-
-        A ``no_sync`` gradient was shown where torch users look (``expose_unsharded_grad``);
-        if that was set to None since, the user discarded it, and so do we.  With
-        ``use_orig_params``: if the optimizer set the original grads to None, so is ours.
-        """
-        if self.grad_exposed:
-            self.grad_exposed = False
-            if self.use_orig_params:
-                discarded = all(s.param.grad is None for s in self.layout.slots if s.requires_grad)
-            else:
-                discarded = self.flat_param.grad is not self.unsharded.grad
-            if discarded:
-                self.unsharded.grad = None
-        if self.use_orig_params and all(s.param.grad is None for s in self.layout.slots):
-            self.flat_param.grad = None
-        g = self.flat_param.grad
-        if self.sharded and not self.use_orig_params and g is not None and g.shape == self.flat_param.shape:
-            # A reduced shard kept from an earlier backward (no zero_grad since): set it aside, as torch
-            # (``_saved_grad_shard``), so that flat_param.grad can show this backward's full gradient.
-            self.saved_grad_shard, self.flat_param.grad = g, None
-
-    def expose_unsharded_grad(self) -> None:
-        """Post-backward under ``no_sync``: show the accumulated full gradient where torch FSDP1 keeps it.
-
-        ``use_orig_params=False``: as ``flat_param.grad`` (full size, while the parameter
-        is the local shard); ``use_orig_params=True``: as each original parameter's
-        ``.grad`` (a full-shape view).  It is the same tensor as ``unsharded.grad``, so
-        ``optimizer.zero_grad()`` discards it (``set_to_none``: the next pre-backward
-        sees it gone) or zeroes it in place, exactly as in torch.
-        """
-        g = self.unsharded.grad
-        if g is None or (not self.sharded and not self.use_orig_params):
-            return  # NO_SHARD without use_orig_params: it already is flat_param.grad
-        if self.use_orig_params:
-            for slot, v in zip(self.layout.slots, unflatten(g, self.layout)):
-                if slot.requires_grad:
-                    _set_grad(slot.param, v)
-        else:
-            _set_grad(self.flat_param, g)  # flat_param.grad was None or set aside (prepare_gradient)
-        self.grad_exposed = True
-
-    def start_reduce(self) -> None:
-        """Post-backward: divide, then start the reduce-scatter (or all-reduce) of the full gradient."""
-        grad = self.unsharded.grad
-        if grad is None:
-            return
-        if self.tracer is not None:
-            self.tracer.instant("reduce-scatter issued", self.name)
-        self.grad_exposed = False
-        if not self.sharded:  # NO_SHARD: reduce flat_param.grad in place
-            if self.predivide > 1:
-                grad.div_(self.predivide)
-            work = self.comm.all_reduce(grad, self.groups.shard, async_op=True)
-            self.pending.append((work, None, grad))
-            return
-        self.unsharded.grad = None  # the leaf lets go; padded_grad may reuse its memory
-        if self.flat_param.grad is not None and self.flat_param.grad.shape != self.flat_param.shape:
-            self.flat_param.grad = None  # a no_sync gradient shown there is in `grad` now
-        padded_grad = prepare_for_reduce_scatter(grad, self.layout.padded_numel, self.reduce_dtype, self.predivide)
-        out = torch.empty(self.layout.shard_numel, dtype=padded_grad.dtype, device=grad.device)
-        work = self.comm.reduce_scatter(out, padded_grad, self.groups.shard, async_op=True)
-        self.pending.append((work, out, padded_grad))
-
-    def finish_reduce(self) -> None:
-        """Wait, all-reduce across replicas (HYBRID), divide, accumulate into flat_param.grad."""
-        if not self.pending:
-            return  # nothing reduced since the last call (a no_sync backward leaves its gradient exposed)
-        for work, out, grad in self.pending:
-            with span(self.tracer, "reduce-scatter wait", self.name):
-                work.wait()
-            if out is None:  # NO_SHARD: grad is flat_param.grad
-                if self.postdivide > 1:
-                    grad.div_(self.postdivide)
-                continue
-            if self.groups.replicate is not None:
-                self.comm.all_reduce(out, self.groups.replicate).wait()
-            out = finish_reduced_shard(out, self.postdivide, self.flat_param.dtype)  # fp32 for the optimizer
-            kept = self.saved_grad_shard if self.saved_grad_shard is not None else self.flat_param.grad
-            self.saved_grad_shard = None
-            if kept is None:
-                self.flat_param.grad = out
-            else:
-                kept += out  # accumulate onto the kept shard, in torch's order (kept + new)
-                self.flat_param.grad = kept
-        self.pending.clear()
-        if self.use_orig_params and self.flat_param.grad is not None:
-            for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
-                if slot.requires_grad:  # as torch: no gradient where this rank holds none of the parameter
-                    slot.param.grad = self.flat_param.grad[lo:hi].view(slot.param.shape) if hi > lo else None
-

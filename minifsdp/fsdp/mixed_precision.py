@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minifsdp.fsdp.checks import collective_device
 from minifsdp.fsdp.flat_param import padded_size
 from minifsdp.fsdp.sharding import finish_reduced_shard, predivide_factor, prepare_for_reduce_scatter
 
@@ -125,7 +126,12 @@ class ShardedGradScaler:
 
     Note (every rank agrees): rank 0 may see finite numbers in its shard while
     rank 1 overflows.  The per-rank flag is all-reduced (a sum) before the
-    decision; otherwise the ranks would step different models.
+    decision; otherwise the ranks would step different models.  A rank with no
+    gradients at all still joins the all-reduce with a 0.
+
+    Note (the flag's device): on a plain "nccl" group a CPU flag cannot be
+    all-reduced; the flag is made on ``collective_device`` (CPU on gloo or
+    "cpu:gloo,cuda:nccl", the gradients' GPU on NCCL) and read back on CPU.
     """
 
     def __init__(self, init_scale: float = 2.0**16, backoff_factor: float = 0.5, growth_factor: float = 2.0,
@@ -155,16 +161,15 @@ class ShardedGradScaler:
         if self._found_inf is not None:
             raise RuntimeError("unscale_() was already called since the last update(); call it once per step")
         inv_scale = self.scale_t.double().reciprocal().float()
-        found = torch.zeros(1, dtype=torch.float32)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not torch.isfinite(p.grad).all():
-                    found.fill_(1.0)
-                p.grad.mul_(inv_scale)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        found = torch.zeros(1, dtype=torch.float32,
+                            device=collective_device(self.process_group, like=grads[0] if grads else None))
+        for g in grads:
+            if not torch.isfinite(g).all():
+                found.fill_(1.0)
+            g.mul_(inv_scale)
         dist.all_reduce(found, group=self.process_group)  # sum of per-rank flags: > 0 if any rank overflowed
-        self._found_inf = found
+        self._found_inf = found.cpu()  # read by step()/update() in Python
 
     def step(self, optimizer: torch.optim.Optimizer):
         """``optimizer.step()`` unless some rank found inf/nan; returns None when skipped."""

@@ -35,7 +35,7 @@ class RootStep:
     units: list  # every unit under the root, the root first (units.units(root))
     order: ExecutionOrder = field(default_factory=ExecutionOrder)  # prefetch.py
     final_callback_queued: bool = False  # at most one final callback per backward
-    versions_at_forward: list[int] | None = None  # the shards' versions at the last forward that awaits a backward
+    versions_at_forward: list | None = None  # the shards' versions at the last forward that awaits a backward
     buffer_dtypes: dict = field(default_factory=dict)  # (id(module), name) -> dtype before buffer_dtype's cast
 
 
@@ -70,9 +70,9 @@ def buffer_dtype_of(root: nn.Module, module: nn.Module, name: str, buffer: torch
     return step.buffer_dtypes.get((id(module), name), buffer.dtype)
 
 
-def shard_versions(step: RootStep) -> list[int]:
-    """Each flat shard's version counter: an optimizer step (an in-place update) bumps it."""
-    return [u._handle.flat_param._version for u in step.units if u._handle is not None]
+def shard_versions(step: RootStep) -> list[tuple[int, ...]]:
+    """Each local shard's version counters (``FlatParamHandle.shard_version``): an optimizer step bumps them."""
+    return [u._handle.shard_version() for u in step.units if u._handle is not None]
 
 
 def check_versions(step: RootStep) -> None:

@@ -17,17 +17,23 @@ with ``nonwrapped_numel``, the parameters not already claimed by a wrapped
 child.  The walk is post-order (children first), so a nested unit claims its
 parameters before its parent builds its flat parameter.  torch's own policy
 functions work here too, since the signature is the same.
+
+Note (a weight tied across units): TinyGPT's ``lm_head.weight is tok_emb.weight``.
+Wrap ``lm_head`` on its own and the tie spans two units; :func:`check_ties_across_units`
+does what torch FSDP1 does then, with a message torch does not give.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch.nn as nn
 
-from minifsdp.fsdp.units import is_unit
+from minifsdp.fsdp.units import clean_name, is_unit
 
-__all__ = ["size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "recursive_wrap"]
+__all__ = ["size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "recursive_wrap",
+           "check_ties_across_units"]
 
 
 def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
@@ -78,3 +84,48 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Modul
     if not only_wrap_children and policy(module=module, recurse=False, nonwrapped_numel=remainder):
         return wrap(module), nonwrapped
     return module, wrapped_numel
+
+
+def _outside_units(module: nn.Module, prefix: str = ""):
+    """(name, module) for ``module`` and every submodule not inside a unit."""
+    if is_unit(module):
+        return
+    yield prefix, module
+    for name, child in module.named_children():
+        yield from _outside_units(child, f"{prefix}.{name}" if prefix else name)
+
+
+def check_ties_across_units(module: nn.Module, use_orig_params: bool) -> None:
+    """Before ``module`` becomes a unit: a parameter of its own that a nested unit already flattened.
+
+    That is a weight tied across units (``lm_head`` wrapped on its own, ``tok_emb`` left
+    here).  torch FSDP1 (``_init_utils._get_orig_params``, ``_flat_param.py``):
+
+    * ``use_orig_params=False``: the nested unit puts no mark on the parameter, so this
+      unit flattens it again: two copies, equal at the start, each trained by its own
+      use's gradient; the tie is broken, silently.  We do the same, and warn.
+    * ``use_orig_params=True``: it is marked flattened, so this unit skips it and the
+      outer module is left holding the nested unit's 1-D shard: torch fails at the
+      forward (``'weight' must be 2-D``).  We refuse here, naming both and the fix.
+    """
+    names = {id(m): clean_name(n) for n, m in module.named_modules()}
+    for prefix, m in _outside_units(module):
+        for name, p in m._parameters.items():
+            where = getattr(p, "_minifsdp_flattened_at", None)
+            if where is None:
+                continue
+            here = f"{prefix}.{name}" if prefix else name
+            owner = names.get(id(where[0]))
+            there = f"{owner}.{where[1]}" if owner else where[1]
+            fix = (f"wrap the modules that share it in one unit (do not wrap the module of '{there}' on its own), "
+                   "or untie them")
+            if use_orig_params:
+                raise ValueError(
+                    f"FSDP(use_orig_params=True): '{here}' is the same parameter as '{there}', which a nested FSDP "
+                    f"unit already flattened; a parameter tied across units is not supported (torch FSDP1 fails "
+                    f"at the forward with \"'weight' must be 2-D\"). To train it tied, {fix}."
+                )
+            warnings.warn(
+                f"FSDP: '{here}' is the same parameter as '{there}', which a nested FSDP unit already flattened. "
+                "As torch FSDP1 (use_orig_params=False), this unit flattens its own copy: the two start equal and "
+                f"train apart (the tie is broken). To keep them tied, {fix}.", stacklevel=3)

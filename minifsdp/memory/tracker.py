@@ -10,7 +10,7 @@ How :class:`MemoryTracker` sees every storage come and go:
 
     op runs (forward, backward, optimizer, collectives)
       |  TorchDispatchMode: after each aten op, look at the storages of its
-      |  inputs and outputs; an output storage no input had is new: count it
+      |  inputs and outputs; one we have not seen yet is new: count it
       v
     storage.resize_(n)   <-- NOT an aten op: torch FSDP1 and FSDP2 allocate and
       |                      free the all-gathered parameter this way, so we wrap
@@ -37,25 +37,50 @@ How each live storage gets its category (first match wins, in this order):
                           *during* the step without being an at-rest parameter:
                           FSDP's all-gathered parameters (seen by forward
                           pre-hooks on every module and scans at each new peak)
+    resident              alive at __enter__, reachable from Python, none of the
+                          above: the batch, the dataset, another model, a copy of
+                          the weights some object (closure, layout, cache) holds
     activations           saved for backward (a saved_tensors_hooks pack hook)
     other                 everything else: the loss, temporaries of the op
                           running now, comm buffers (FSDP2's all-gather output)
 
-Note (what is counted): a storage counts from the moment it is reachable from
-the model or optimizer (at __enter__ and at every scan), created by an op (an
-output that is none of the op's inputs) or resized.  Tensors made before the
-region and only read there (the dataset, a batch made outside) do not count:
-the allocator would not see them either, and
-``test_tracker_agrees_with_the_allocator`` checks that we agree with it.  Not
-seen: buffers that live in C++ only (DDP's reducer buckets unless
-``gradient_as_bucket_view=True`` makes them the .grad, gloo's internal copies)
-and scratch memory inside one kernel.  Only storages on ``device`` count.
+"resident" precedes "activations": a batch made before the region and saved
+for backward is not a byte the step allocated.
+
+Note (what is counted): every storage alive at __enter__ that Python can reach,
+each once: the model's and optimizer's, and (a scan of every live Python object,
+``census.live_tensor_objects``, after ``gc.collect()``) all others as "resident".
+From then on a storage counts from when we first see it: an op's output or input
+(``torch.from_numpy`` makes one with no op), resized, or shown by the model or
+optimizer.  So the total at rest equals ``census.live_tensor_bytes()``, an
+independent count (``tests/test_memory_census.py``: ours, torch FSDP1, FSDP2,
+DDP), and a full copy of the weights that the model no longer points to cannot
+hide.  Only storages on ``device`` count.
+
+Note (when it scans everything): at __enter__ and __exit__, not at each new
+peak: one scan walks every Python object (~165k with torch imported, ~0.1 s on a
+laptop) and a step makes 30-50 new peaks, seconds per tracked step.  The exit scan
+is an audit: live storages the op tracking missed (made on another thread, or by
+no aten op) are added as "resident", their bytes in ``found_at_exit`` (0 when the
+running count was right).  ``on_peak`` runs a witness of yours at each new peak.
+
+Note (what it still cannot see): bytes with no Python object.  Tensors that
+live only in C++ (autograd's saved tensors that never had a Python object, DDP's
+reducer buckets unless ``gradient_as_bucket_view=True`` makes them the .grad,
+gloo's internal copies), the allocator's caches, scratch memory inside one
+kernel.  The process's RSS (``census.rss_bytes``) sees those, but not whose.
+Nor the 8-byte tensor autograd saves for ``x / 4.0`` (the op gets a number, and
+autograd saves it with no pack hook): the census sees it, 8 bytes above us.
 
     with MemoryTracker(model, optimizer) as mt:
         mt.mark("forward");  loss = model(x, y)
         mt.mark("backward"); loss.backward()
         mt.mark("step");     optimizer.step()
     mt.peak_bytes, mt.breakdown_at_peak, mt.breakdown_at("backward"), mt.timeline
+
+Totals count everything alive, other models too: to compare setups, measure each
+with only it alive, or subtract ``breakdown_at_peak["resident"]`` (what was alive
+before and is not this model's or optimizer's).
 """
 
 from __future__ import annotations
@@ -65,29 +90,21 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minifsdp.memory.activation_sizes import tensors_in as _tensors_in
+from minifsdp.memory.census import live_tensor_objects
+from minifsdp.memory.census import storages_of as _storages  # a DTensor's bytes live in its local tensor
 
 __all__ = ["MemoryTracker", "snapshot", "CATEGORIES"]
 
 # in order of precedence: a storage seen in two roles gets the first
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "unsharded_parameters", "activations", "other")
-
-
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages that really hold ``t``'s bytes (a DTensor's live in its local tensor)."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return [s for n in names if isinstance(getattr(t, n), torch.Tensor) for s in _storages(getattr(t, n))]
-    try:
-        return [t.untyped_storage()]
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-        return []
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "unsharded_parameters", "resident",
+              "activations", "other")
 
 
 def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
@@ -141,12 +158,11 @@ class _OpSpy(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(st) for t in _tensors_in((args, kwargs)) for st in _storages(t)}
-        for t in _tensors_in((args, kwargs)):
-            self.tracker._see(t, new=False)  # known ones may have been resized (resize_, set_)
-        for t in _tensors_in(out):
-            for st in _storages(t):  # an output storage that is none of the inputs' was made by this op
-                self.tracker._see_storage(st, new=id(st) not in inputs)
+        # Everything Python reached at __enter__ is known, so a storage seen for the first time is new: an
+        # output this op made, or an input no op made (torch.from_numpy, a C++-only tensor coming to light).
+        # Known ones may have been resized (resize_, set_).
+        for t in _tensors_in((args, kwargs, out)):
+            self.tracker._see(t)
         return out
 
 
@@ -158,16 +174,25 @@ class MemoryTracker:
         device: count only storages on this device type ("cpu").
         track_storage_resize: wrap ``torch.UntypedStorage.resize_`` (keep True;
             False exists to show what a plain dispatch mode misses).
+        on_peak: called with no arguments at each new peak, inside the op that
+            made it; its last result is ``on_peak_result`` (a witness at the
+            same moment: a census, the RSS).  It must not make tensors.
 
     After the ``with`` block: ``peak_bytes``, ``breakdown_at_peak``, ``peak_phase``,
-    ``breakdown_at(mark)``, ``timeline`` [(seconds, bytes)], ``marks`` [(name, seconds)].
+    ``breakdown_at(mark)``, ``timeline`` [(seconds, bytes)], ``marks`` [(name, seconds)],
+    ``found_at_exit`` (bytes the exit scan found that the op tracking missed).
+    The tracker lets go of ``model`` and ``optimizer`` at exit: an instrument
+    must not keep alive what the next measurement would count.
     """
 
     _active: "MemoryTracker | None" = None
 
-    def __init__(self, model=None, optimizer=None, device: str = "cpu", track_storage_resize: bool = True):
+    def __init__(self, model=None, optimizer=None, device: str = "cpu", track_storage_resize: bool = True,
+                 on_peak: Callable[[], Any] | None = None):
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device).type
         self.track_storage_resize = track_storage_resize
+        self.on_peak, self.on_peak_result = on_peak, None
+        self.found_at_exit = 0
         self.timeline: list[tuple[float, int]] = []
         self.marks: list[tuple[str, float]] = []
         self.peak_bytes = 0
@@ -190,7 +215,8 @@ class MemoryTracker:
             raise RuntimeError("a MemoryTracker is already running; nest nothing, track one region at a time.")
         MemoryTracker._active = self
         self._t0 = time.perf_counter()
-        self._scan(at_rest=True)  # what exists already: the model's and optimizer's tensors
+        self._scan(at_rest=True)  # what exists already: the model's and optimizer's tensors ...
+        self._scan_resident()  # ... and every other storage Python can reach
         self.timeline.clear()  # the timeline starts from there
         self.peak_bytes = -1
         self._record()
@@ -224,6 +250,9 @@ class MemoryTracker:
         self._undo.clear()
         MemoryTracker._active = None
         self._scan(at_rest=True)
+        self.found_at_exit = self._scan_resident()
+        if self.found_at_exit:
+            self._record()  # what the exit scan found may make a new peak
         self.mark("end")
         # Resolve every storage we kept numbers for into one category, then forget the storages.
         with self._lock:
@@ -231,6 +260,7 @@ class MemoryTracker:
         self._final_roles = {e.key: e.roles for e in entries} | self._dead_roles
         for e in entries:
             e.ref = None
+        self.model = self.optimizer = None
 
     def mark(self, name: str) -> None:
         """Start a phase called ``name`` ("forward", "backward", "step", ...) and remember the bytes now."""
@@ -264,21 +294,19 @@ class MemoryTracker:
         return out
 
     # ---- seeing storages -----------------------------------------------------------
-    def _see(self, t: torch.Tensor, role: str | None = None, new: bool = True) -> None:
+    def _see(self, t: torch.Tensor, role: str | None = None) -> None:
         for st in _storages(t):
-            self._see_storage(st, role, new)
+            self._see_storage(st, role)
 
-    def _see_storage(self, st: torch.UntypedStorage, role: str | None = None, new: bool = True) -> None:
-        """Count ``st`` (if ``new`` or already counted), label it with ``role``, notice a resize."""
+    def _see_storage(self, st: torch.UntypedStorage, role: str | None = None) -> None:
+        """Count ``st`` (from now on, if it is new), label it with ``role``, notice a resize."""
         if MemoryTracker._active is not self or st.device.type != self.device:
             return
         with self._lock:
-            self._count(st, role, new)
+            self._count(st, role)
 
-    def _count(self, st: torch.UntypedStorage, role: str | None, new: bool) -> None:
+    def _count(self, st: torch.UntypedStorage, role: str | None) -> None:
         entry = self._entries.get(id(st))
-        if entry is None and not new:  # made before the region and only read: not ours to count
-            return
         if entry is None:  # first sight: count it from now on
             self._serial += 1
             entry = _Entry(key=self._serial, nbytes=0)
@@ -312,6 +340,12 @@ class MemoryTracker:
                 self.peak_bytes = self.current_bytes
                 self.peak_phase = self._phase
                 self._peak_live = self._live()  # ... and keep it
+                if self.on_peak is not None:
+                    self._scanning = True  # frees inside the witness must not recurse into it
+                    try:
+                        self.on_peak_result = self.on_peak()
+                    finally:
+                        self._scanning = False
 
     def _scan(self, at_rest: bool) -> None:
         """Label the storages reachable from the model and optimizer now."""
@@ -336,10 +370,28 @@ class MemoryTracker:
             MemoryTracker._active = was_active
             self._scanning = False
 
+    def _scan_resident(self) -> int:
+        """Count each live storage Python reaches that we do not know as "resident"; return the bytes added.
+
+        ``gc.collect()`` runs first (in ``live_tensor_objects``) while we are active: frees of cycles subtract.
+        """
+        was_active, MemoryTracker._active = MemoryTracker._active, self
+        self._scanning, added = True, 0
+        try:
+            for obj in live_tensor_objects(collect=True):
+                for st in _storages(obj):
+                    if id(st) not in self._entries and st.nbytes() and st.device.type == self.device:
+                        added += st.nbytes()
+                        self._see_storage(st, "resident")
+        finally:
+            MemoryTracker._active = was_active
+            self._scanning = False
+        return added
+
     def _forward_pre_hook(self, module, args) -> None:
         for t in _module_tensors(module):
             self._see(t, "unsharded_parameters")
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._see(t, "activations", new=False)  # saved for backward: made by an op we saw, or an input
+        self._see(t, "activations")  # saved for backward (a batch made before the region stays "resident")
         return t

@@ -17,12 +17,39 @@ rotates every repeat, so none is always first), each step timed as
 
 and we keep the median of ``--steps`` repeats.  The CPU time of the step
 (``time.process_time``, all threads of the rank, max over ranks) is kept too:
-on a machine shared with other work it is steadier than the wall clock.  Peak memory: one more step per
-trainer under :class:`minifsdp.memory.MemoryTracker` (tensor bytes per rank, the
-same tracker for all five; not timed, the tracker slows every op).
+on a machine shared with other work it is steadier than the wall clock.
 
-Every figure is printed as a ratio to torch FSDP1, measured in the same
-processes and minutes: the only kind of performance claim the book makes.
+Peak memory, three witnesses.  In a second spawn (fresh ranks, told to give
+freed memory back to the OS: ``MALLOC_ENV``), each trainer is built in turn
+*alone* (the one before dropped), takes one warm-up step, then two steps under
+:class:`minifsdp.memory.MemoryTracker` (not timed: the tracker slows every op).
+The first finds the peak; in the second, at each new peak within 1% of it (a
+census costs ~0.1 s, a step makes 30-50 new peaks), a witness reads, at that
+same moment,
+
+    census   live_tensor_bytes(): every live tensor storage, found by a scan of
+             Python's objects (minifsdp.memory.census; no dispatch mode)
+    RSS      the process's resident set size (/proc/self/statm)
+
+and each of the three is printed as its rise over the moment before the trainer
+was built (after gc.collect() and malloc_trim):
+
+    peak MB    tracker's peak - census before     (the trainer's own tensors)
+    census MB  census at the peak - census before (equal, but for a few bytes: the
+               8-byte tensor autograd saves for each Python number in x / 4.0,
+               which no op and no hook shows the tracker)
+    RSS+ MB    RSS at the peak - RSS before       (sees everything, not whose: gloo's
+               buffers, malloc's overhead, Python objects; but only pages already
+               written, not a receive buffer still filling.  At 19M parameters
+               within a few % of the others)
+
+Subtracting the census before a trainer also removes what earlier trainers
+left behind: torch FSDP1 (and ours) keep a dropped model's shards alive through
+a reference cycle the garbage collector cannot see into.
+
+Every figure is printed as a ratio to torch FSDP1, measured in the same run
+(times in the same processes and minutes): the only kind of performance claim
+the book makes.
 
 Note: on a laptop the ranks share a few cores (4 ranks on 2 cores run at half
 speed each) and every link is the loopback interface; compute dominates, so
@@ -31,7 +58,9 @@ the ratios are what to read, not the milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import statistics
 import time
@@ -40,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.launch import spawn
+from minifsdp.memory.census import live_tensor_bytes, return_freed_memory, rss_bytes
 from minifsdp.memory.tracker import MemoryTracker, snapshot
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
 from minifsdp.tools.bench import load_average, write_bench_json
@@ -51,6 +81,10 @@ REFERENCE = "fsdp1"
 CONFIGS = {"bench": GPTConfig.bench, "small": GPTConfig.small, "tiny": GPTConfig.tiny}
 AIMS = {"ours_torch": 1.1, "ours_ring": 1.5}  # step-time ratio to FSDP1 we aim for; memory: within 5%
 MEMORY_AIM = 0.05
+# glibc: every block of 64 KiB or more gets its own mapping, unmapped when freed.  By default glibc raises this
+# threshold (up to 32 MiB) each time such a block is freed, then keeps freed blocks for reuse, so the RSS holds
+# what was freed and reads up to 2x the live tensors (19M parameters).  Only in the memory spawn: it slows steps.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
 
 
 def _wrap(name: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -97,7 +131,7 @@ def _timed_step(model, opt, x, y) -> tuple[float, float]:
 
 
 def bench_rank(config: str, names: list[str], batch_size: int, warmup: int, steps: int) -> dict:
-    """One rank: build every trainer, time them in turns, then measure each one's peak memory."""
+    """One rank: build every trainer, time them in turns."""
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda msg: print(f"  [N={world}] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
     cfg = CONFIGS[config]()
@@ -121,16 +155,67 @@ def bench_rank(config: str, names: list[str], batch_size: int, warmup: int, step
             say(f"step {i - warmup + 1}/{steps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in names))
         else:
             say(f"warm-up step {i + 1}/{warmup} done")
-    say("peak memory: one tracked step each ...")
-    memory = {}
-    x, y = corpus.batch(warmup + steps, batch_size, cfg.block_size, rank, world)
-    for name in names:
-        rest = snapshot(models[name], opts[name])
-        with MemoryTracker(models[name], opts[name]) as mt:
-            _step(models[name], opts[name], x, y)
-        memory[name] = {"peak_bytes": mt.peak_bytes, "model_state_bytes": rest["parameters"] + rest["gradients"]
-                        + rest["optimizer_state"], "at_peak": mt.breakdown_at_peak}
-    return {"times": times, "cpu": cpu, "memory": memory}
+    return {"times": times, "cpu": cpu}
+
+
+def memory_rank(config: str, names: list[str], batch_size: int) -> dict:
+    """One rank of the memory spawn: each trainer alone, its peak seen by the tracker, the census and the RSS."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg, tiny, corpus = CONFIGS[config](), GPTConfig.tiny(), CharCorpus()
+    # First, one step of every trainer on the tiny GPT, one of them tracked: the first use of a kernel pages
+    # its code in from libtorch, tens of MB of RSS that would otherwise land on the first trainer measured.
+    for i, name in enumerate(names):
+        model = _wrap(name, TinyGPT(tiny, seed=0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        with MemoryTracker(model, opt) if i == 0 else contextlib.nullcontext():
+            _step(model, opt, *corpus.batch(0, 1, tiny.block_size, rank, world))
+        del model, opt
+    batch = corpus.batch(0, batch_size, cfg.block_size, rank, world)
+    return {name: _memory_alone(name, cfg, batch) for name in names}
+
+
+def _spawn_with_env(env: dict[str, str], *args, **kwargs) -> list:
+    """``spawn`` with ``env`` added to the ranks' environment (they copy it when they start)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return spawn(*args, **kwargs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def _memory_alone(name: str, cfg: GPTConfig, batch) -> dict:
+    """Build ``name`` with nothing else alive, warm it up, track one step; tracker, census and RSS at its peak."""
+    gc.collect()
+    return_freed_memory()
+    census_before, rss_before = live_tensor_bytes(), rss_bytes()
+    model = _wrap(name, TinyGPT(cfg, seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    _step(model, opt, *batch)  # lazy init, Adam's state
+    rest = snapshot(model, opt)
+    with MemoryTracker(model, opt) as probe:  # where the peak is (the steps allocate alike from here on)
+        _step(model, opt, *batch)
+    mt = MemoryTracker(model, opt)
+
+    def witness():  # RSS first: the census's list of every Python object would otherwise sit in it
+        if mt.current_bytes < 0.99 * probe.peak_bytes:
+            return None
+        return rss_bytes(), live_tensor_bytes(collect=False)
+
+    mt.on_peak = witness
+    with mt:
+        _step(model, opt, *batch)
+    rss_at_peak, census_at_peak = mt.on_peak_result or (None, None)  # None: this step's peak fell short
+    rise = lambda after, before: after - before if after is not None else None  # noqa: E731
+    return {"peak_bytes": mt.peak_bytes - census_before, "census_bytes": rise(census_at_peak, census_before),
+            "rss_bytes": rise(rss_at_peak, rss_before), "tracker_peak_total": mt.peak_bytes,
+            "census_at_peak_total": census_at_peak, "census_before": census_before,
+            "model_state_bytes": rest["parameters"] + rest["gradients"] + rest["optimizer_state"],
+            "at_peak": mt.breakdown_at_peak}
 
 
 def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
@@ -139,9 +224,13 @@ def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
     rows = []
     for name in names:
         peaks = [r["memory"][name]["peak_bytes"] for r in results]
+        top = results[peaks.index(max(peaks))]["memory"][name]  # census and RSS from the rank with the top peak
         rows.append({"world_size": world, "trainer": name, "step_s": statistics.median(times[name]),
                      "step_times_s": times[name], "cpu_s": statistics.median(results[0]["cpu"][name]),
                      "cpu_times_s": results[0]["cpu"][name], "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
+                     "census_bytes": top["census_bytes"], "rss_bytes": top["rss_bytes"],
+                     "census_bytes_per_rank": [r["memory"][name]["census_bytes"] for r in results],
+                     "rss_bytes_per_rank": [r["memory"][name]["rss_bytes"] for r in results],
                      "model_state_bytes": max(r["memory"][name]["model_state_bytes"] for r in results),
                      "at_peak_rank0": results[0]["memory"][name]["at_peak"]})
     ref = next((r for r in rows if r["trainer"] == REFERENCE), None)
@@ -154,7 +243,7 @@ def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'N':>2} {'trainer':<11} {'step ms':>9} {'x FSDP1':>8} {'cpu ms':>9} {'x FSDP1':>8} "
-            f"{'peak MB':>9} {'x FSDP1':>8} {'state MB':>9}  aim")
+            f"{'peak MB':>9} {'x FSDP1':>8} {'census MB':>9} {'RSS+ MB':>8} {'state MB':>9}  aim")
     lines = [head]
     for r in rows:
         aim = ""
@@ -164,9 +253,11 @@ def format_table(rows: list[dict]) -> str:
             aim = (f"time <= {AIMS[r['trainer']]}x: {'ok' if ok_t else 'MISSED'}; "
                    f"peak within 5%: {'ok' if ok_m else 'MISSED'}")
         ratio = lambda v: f"{v:>8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
+        mb = lambda v, w: f"{v / 2**20:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
         lines.append(f"{r['world_size']:>2} {r['trainer']:<11} {r['step_s'] * 1e3:>9.1f} {ratio(r['time_ratio'])} "
                      f"{r['cpu_s'] * 1e3:>9.1f} {ratio(r['cpu_ratio'])} "
                      f"{r['peak_bytes'] / 2**20:>9.2f} {ratio(r['peak_ratio'])} "
+                     f"{mb(r['census_bytes'], 9)} {mb(r['rss_bytes'], 8)} "
                      f"{r['model_state_bytes'] / 2**20:>9.2f}  {aim}")
     return "\n".join(lines)
 
@@ -191,13 +282,18 @@ def run_fsdp_bench(args) -> int:
           f"{args.warmup} warm-up + {args.steps} timed steps; trainers {', '.join(names)}", flush=True)
     rows, started = [], time.perf_counter()
     for n in world_sizes:
-        print(f"world size {n}: one spawn, {len(names)} trainers ...", flush=True)
+        print(f"world size {n}: one spawn, {len(names)} trainers; then one more for memory, each alone ...",
+              flush=True)
         results = spawn(bench_rank, args=(args.config, names, args.batch_size, args.warmup, args.steps),
                         world_size=n, timeout_s=3600, threads_per_rank=1)
-        rows += summarize(n, results, names)
+        memory = _spawn_with_env(MALLOC_ENV, memory_rank, args=(args.config, names, args.batch_size),
+                                 world_size=n, timeout_s=3600, threads_per_rank=1)
+        rows += summarize(n, [{**r, "memory": m} for r, m in zip(results, memory)], names)
     print(format_table(rows))
     print(f"({time.perf_counter() - started:.0f} s; ratios are to torch FSDP1 in the same run: below 1 is faster / "
           f"smaller; load average {load_average():.1f} on {os.cpu_count()} CPUs: other work makes times noisy)")
+    print("(peak: MemoryTracker; census: live tensors counted at the same moment; RSS+: the process's resident "
+          "memory growth to that moment; all three over the moment before the trainer was built, each alone)")
     if args.json:
         write_bench_json(args.json, rows, threads_per_rank=1, config=args.config, n_params=n_params,
                          batch_size=args.batch_size, block_size=cfg.block_size, warmup=args.warmup,

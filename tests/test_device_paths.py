@@ -1,0 +1,169 @@
+"""Device paths on CPU: where control tensors live, and what checkpointing's recompute replays.
+
+Part 1, control tensors (FSDP's wrap-time checksums, DDP's shape signature, the
+grad scaler's found-inf flag).  A plain "nccl" group moves CUDA tensors only, so
+``collective_device`` must never answer "cpu" for it, and must answer "cpu" for
+gloo (so the CPU path stays what it was).  The pure choices are checked by backend
+name; 2 real gloo ranks check that the flags and checksums still agree (the NCCL
+side runs in ``tests/gpu/``).
+
+Part 2, activation checkpointing's recompute.  Oracles: the same block without
+checkpointing, and ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
+Tolerance: BITWISE (outputs, input and parameter gradients): the recompute runs
+the same CPU kernels in the same RNG and autocast state.  Under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` a recompute that forgets the
+autocast state runs in fp32, and the backward fails ("expected m1 and m2 to have
+the same dtype"): that is what these tests caught before the fix.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as torch_cp
+
+import minifsdp
+from minifsdp.ddp.distributed import backend_devices, check_backend_supports, collective_device
+from minifsdp.fsdp.activation_checkpointing import _autocast_state, _input_devices, checkpoint
+from minifsdp.models import TinyGPT
+from tests import _workers_device as W
+
+# --- part 1: control tensors --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, devices", [("gloo", ["cpu", "cuda"]), ("nccl", ["cuda"]),
+                                              ("cpu:gloo,cuda:nccl", ["cpu", "cuda"]), ("GLOO", ["cpu", "cuda"])])
+def test_backend_devices_by_name(backend, devices):
+    assert backend_devices(backend) == devices
+
+
+def test_gloo_and_mixed_groups_keep_control_tensors_on_cpu():
+    assert collective_device("gloo") == torch.device("cpu")
+    assert collective_device("cpu:gloo,cuda:nccl") == torch.device("cpu")
+    assert collective_device("gloo", like=torch.zeros(1)) == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
+def test_nccl_never_gets_a_cpu_tensor():
+    """With no GPU there is no right device for NCCL: a clear error, never a silent CPU tensor."""
+    with pytest.raises(RuntimeError, match="no device for a collective on backend 'nccl'"):
+        collective_device("nccl")
+    with pytest.raises(RuntimeError, match="no device for a collective"):
+        collective_device("nccl", like=torch.zeros(1))  # a CPU module tensor is no answer either
+
+
+def test_cpu_module_on_nccl_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"DDP: the module is on cpu, but .*'nccl' moves only cuda"):
+        check_backend_supports("nccl", [torch.zeros(1)], "DDP")
+    check_backend_supports("gloo", [torch.zeros(1)], "DDP")
+    check_backend_supports("cpu:gloo,cuda:nccl", [torch.zeros(1)], "DDP")
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return minifsdp.spawn(W.device_paths_worker, world_size=2, timeout_s=120)
+
+
+@pytest.mark.timeout(120)
+def test_gloo_ranks_pick_cpu(ranks):
+    for res in ranks:
+        assert res["backend"] == "gloo"
+        assert res["devices"] == ["cpu", "cuda"]
+        assert res["collective_device"] == ["cpu", "cpu", "cpu"]
+        assert res["supports_cpu"] is None
+
+
+def test_checksums_agree_and_disagree_as_before(ranks):
+    for res in ranks:
+        assert res["same_weights"] is None
+        assert res["diff_weights"] and "differs across ranks at wrap time (weight)" in res["diff_weights"]
+        assert res["after_broadcast"] is None
+        assert res["weight_after_broadcast"] == [0.0] * 16  # rank 0's weights everywhere
+        assert res["shapes"] and "parameter #0 differs" in res["shapes"]
+
+
+def test_grad_scaler_flag_agrees_with_a_rank_without_gradients(ranks):
+    """Rank 0 has no gradients at all; rank 1 overflows at step 1: both see the flag, skip, back off."""
+    r0, r1 = ranks[0]["scaler"], ranks[1]["scaler"]
+    assert [(f, d, s) for f, d, _, s in r0] == [(f, d, s) for f, d, _, s in r1]
+    assert [f for f, *_ in r0] == [0.0, 1.0, 0.0]
+    assert all(d == "cpu" for _, d, *_ in r0)
+    assert [s for *_, s in r0] == [4.0, 2.0, 2.0]
+    assert [st for _, _, st, _ in r1] == [True, False, True]
+
+
+# --- part 2: activation checkpointing replays RNG and autocast ---------------------------------
+
+
+def _block_and_input():
+    gpt = TinyGPT(seed=0)
+    x = torch.randn(4, 32, gpt.tok_emb.weight.shape[1], generator=torch.Generator().manual_seed(1))
+    return gpt.blocks[0], x
+
+
+def _run(module, x0, mode, autocast: bool, seed=None):
+    """(output, input grad, parameter grads) of ``module`` under the given checkpointing mode."""
+    module.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if mode == "plain":
+            y = module(x)
+        elif mode == "ours":
+            y = checkpoint(module, x)
+        else:
+            y = torch_cp.checkpoint(module, x, use_reentrant=False)
+    torch.rand(7)  # the RNG moves on between forward and backward: the recompute must not care
+    y.float().pow(2).sum().backward()
+    return y.detach(), x.grad, [p.grad for p in module.parameters()]
+
+
+def _assert_bitwise(a, b):
+    assert a[0].dtype == b[0].dtype and torch.equal(a[0], b[0])
+    assert torch.equal(a[1], b[1])
+    assert len(a[2]) == len(b[2]) and all(torch.equal(p, q) for p, q in zip(a[2], b[2]))
+
+
+@pytest.mark.parametrize("oracle", ("plain", "torch"))
+def test_autocast_block_bitwise(oracle):
+    """A TinyGPT Block under CPU bf16 autocast: ours == no checkpointing == torch's checkpoint, bit for bit."""
+    block, x = _block_and_input()
+    ours = _run(block, x, "ours", autocast=True)
+    assert not torch.equal(ours[1], _run(block, x, "plain", autocast=False)[1])  # guard: autocast really acted
+    _assert_bitwise(ours, _run(block, x, oracle, autocast=True))
+
+
+@pytest.mark.parametrize("autocast", (False, True))
+@pytest.mark.parametrize("oracle", ("plain", "torch"))
+def test_dropout_masks_replayed(autocast, oracle):
+    """Dropout in the checkpointed block: the recompute draws the forward's mask, so gradients are bitwise."""
+    torch.manual_seed(0)
+    c = 32
+    block = nn.Sequential(nn.Linear(c, 4 * c), nn.Dropout(0.5), nn.GELU(), nn.Linear(4 * c, c))
+    x = torch.randn(4, 8, c, generator=torch.Generator().manual_seed(2))
+    ours = _run(block, x, "ours", autocast, seed=123)
+    _assert_bitwise(ours, _run(block, x, oracle, autocast, seed=123))
+    other_mask = _run(block, x, "plain", autocast, seed=124)  # guard: another seed gives other gradients
+    assert not torch.equal(ours[2][0], other_mask[2][0])
+
+
+def test_recompute_leaves_rng_and_autocast_as_it_found_them():
+    block, x = _block_and_input()
+    torch.manual_seed(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = checkpoint(block, x.clone().requires_grad_())
+    state = torch.get_rng_state()
+    y.float().sum().backward()  # the recompute runs here, under the forward's RNG and autocast
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_saved_context():
+    """What a checkpointed call records: no accelerator devices for CPU inputs; cpu's autocast state."""
+    x = torch.zeros(2)
+    assert _input_devices((x, [x], {"k": x}), {"kw": x}) == []
+    assert ("cpu", {"enabled": False, "dtype": torch.get_autocast_dtype("cpu"),
+                    "cache_enabled": torch.is_autocast_cache_enabled()}) in _autocast_state([])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu = dict(_autocast_state([]))["cpu"]
+    assert cpu["enabled"] and cpu["dtype"] == torch.bfloat16
