@@ -15,7 +15,7 @@ A unit's step (``FullyShardedDataParallel.training_state``):
 Its handle's parameters (``FlatParamHandle.state``):
 
     SHARDED --start_unshard--> GATHERING --wait_unshard--> UNSHARDED --reshard--> SHARDED
-    (NO_SHARD: always UNSHARDED, there is nothing to gather)
+    (NO_SHARD: UNSHARDED, nothing to gather; with MixedPrecision the low-precision copy is cast at each use)
 """
 
 from __future__ import annotations
