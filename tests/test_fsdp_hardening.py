@@ -10,15 +10,7 @@ import torch
 
 from minifsdp import spawn
 from tests import _workers_hardening as W
-
-
-def _same(a, b, what):
-    assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} entries"
-    for i, (x, y) in enumerate(zip(a, b)):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f"{what}[{i}] differs"
-        else:
-            assert x == y, f"{what}[{i}]: {x} vs {y}"
+from tests.test_fsdp_user_models import _same  # equal lengths, then bitwise equal entries
 
 
 def _same_full(ours, theirs, what):
