@@ -250,16 +250,16 @@ ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")  # t
 
 
 @contextlib.contextmanager
-def counting_all_gathers():
-    """Count the all-gathers issued inside (outermost calls: one may call another), ours and torch's alike."""
-    calls = [0]
-    depth = [0]
+def _on_each_all_gather(callback):
+    """Call ``callback()`` at every all-gather issued inside (outermost calls only: one may call another)."""
     saved = {name: getattr(dist, name) for name in ALL_GATHERS if hasattr(dist, name)}
+    depth = [0]
 
-    def counted(fn):
+    def spied(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            calls[0] += depth[0] == 0
+            if depth[0] == 0:
+                callback()
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)
@@ -268,12 +268,20 @@ def counting_all_gathers():
         return wrapper
 
     for name, fn in saved.items():
-        setattr(dist, name, counted(fn))
+        setattr(dist, name, spied(fn))
     try:
-        yield calls
+        yield
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def counting_all_gathers():
+    """Count the all-gathers issued inside, ours and torch's alike."""
+    calls = [0]
+    with _on_each_all_gather(lambda: calls.__setitem__(0, calls[0] + 1)):
+        yield calls
 
 
 def no_sync_all_gathers_worker(strategy: str) -> dict:
@@ -332,28 +340,8 @@ def _gpt_blocks(side: str, use_orig_params: bool, seed: int = 0):
 @contextlib.contextmanager
 def recording_live_at_all_gathers(model, record: list):
     """At every all-gather issued inside: which non-root units' full parameters exist already."""
-    saved = {name: getattr(dist, name) for name in ALL_GATHERS if hasattr(dist, name)}
-    depth = [0]
-
-    def recorded(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if depth[0] == 0:
-                record.append(sorted(_live(model)))
-            depth[0] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return wrapper
-
-    for name, fn in saved.items():
-        setattr(dist, name, recorded(fn))
-    try:
+    with _on_each_all_gather(lambda: record.append(sorted(_live(model)))):
         yield record
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def _state_dict(side: str, model, rank0_only: bool):
