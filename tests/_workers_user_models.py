@@ -99,31 +99,12 @@ def summon_worker(use_orig_params: bool) -> dict:
     return out
 
 
-def no_sync_worker(use_orig_params: bool, set_to_none: bool) -> dict:
-    """A no_sync micro-batch the user discards with zero_grad(), then a synced step, 3 times."""
-    rank = dist.get_rank()
-    out = {}
-    for side in ("ours", "torch"):
-        model = _wrap(side == "ours", mlp_model(), use_orig_params)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for step in range(STEPS):
-            with model.no_sync():
-                x, y = _batch(100 + step, rank)
-                F.mse_loss(model(x), y).backward()  # accumulated, then thrown away
-            opt.zero_grad(set_to_none=set_to_none)
-            x, y = _batch(step, rank)
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=set_to_none)
-            losses.append(loss.item())
-        out[side] = dict(losses=losses, full=_full_named(model))
-    return out
+def no_sync_worker(use_orig_params: bool, set_to_none: bool = True, discard: bool = True) -> dict:
+    """A no_sync micro-batch, then a synced one, then the step, 3 times.
 
-
-def no_sync_accumulate_worker(use_orig_params: bool) -> dict:
-    """The ordinary use: one no_sync micro-batch kept, then a synced one, then the step."""
+    ``discard=True``: the user throws the no_sync gradients away with ``zero_grad(set_to_none)``
+    before the synced micro-batch; ``discard=False``: the ordinary use, they accumulate.
+    """
     rank = dist.get_rank()
     out = {}
     for side in ("ours", "torch"):
@@ -134,11 +115,13 @@ def no_sync_accumulate_worker(use_orig_params: bool) -> dict:
             with model.no_sync():
                 x, y = _batch(100 + step, rank)
                 F.mse_loss(model(x), y).backward()
+            if discard:
+                opt.zero_grad(set_to_none=set_to_none)
             x, y = _batch(step, rank)
             loss = F.mse_loss(model(x), y)
             loss.backward()
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             losses.append(loss.item())
         out[side] = dict(losses=losses, full=_full_named(model))
     return out

@@ -64,7 +64,7 @@ def test_discarded_no_sync_gradients_do_not_leak(orig, set_to_none):
 
 @pytest.mark.parametrize("orig", [False, True])
 def test_kept_no_sync_gradients_accumulate_as_torch(orig):
-    for r in spawn(W.no_sync_accumulate_worker, (orig,), world_size=2):
+    for r in spawn(W.no_sync_worker, (orig, True, False), world_size=2):
         _same(r["ours"]["losses"], r["torch"]["losses"], "losses")
         _same_full(r["ours"]["full"], r["torch"]["full"], "parameters")
 
