@@ -17,6 +17,8 @@ Read in this order (each module imports only those above it):
     backward.py         the hooks autograd calls: pre-/post-backward, frozen units' reshard, final callback
     fully_sharded.py    FullyShardedDataParallel: the module users see; hooks, order, state
     full_params.py      summon_full_params, clip_grad_norm_, the full state dict
+    state_dict_type.py  FSDP.state_dict_type: FULL / SHARDED / LOCAL state dicts (torch's enum and configs)
+    torch_options.py    torch's constructor keywords (cpu_offload, ignored_modules, ...) mapped onto ours
     activation_checkpointing.py  ch 2.3: recompute whole blocks in the backward
     reference_ops.py    ch 2.1: flatten/shard, reduce-scatter, clip as standalone functions (exercises)
 """
@@ -27,6 +29,19 @@ from minifsdp.fsdp.fully_sharded import FSDP, FullyShardedDataParallel
 from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
 from minifsdp.fsdp.prefetch import BackwardPrefetch
 from minifsdp.fsdp.sharding import ShardingStrategy, hybrid_groups
+from minifsdp.fsdp.state_dict_type import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from minifsdp.fsdp.torch_options import CPUOffload
 from minifsdp.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
 __all__ = [
@@ -34,4 +49,7 @@ __all__ = [
     "MixedPrecision", "ShardedGradScaler", "apply_activation_checkpointing",
     "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
     "FlatParamLayout", "build_layout", "flatten", "shard", "unflatten",
+    "StateDictType", "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig",
+    "OptimStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig",
+    "StateDictSettings", "CPUOffload",
 ]

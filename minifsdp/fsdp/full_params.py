@@ -33,6 +33,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from minifsdp.fsdp.root import buffer_dtype_of
 from minifsdp.fsdp.state import HandleState, TrainingState
 from minifsdp.fsdp.units import clean_name, is_unit
+from minifsdp.fsdp.units import units as all_units
 from minifsdp.fsdp.units import units_with_params as _units
 
 __all__ = ["summon_full_params", "clip_grad_norm_", "full_state_dict", "load_full_state_dict"]
@@ -59,6 +60,12 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         if u.training_state not in (TrainingState.IDLE, TrainingState.AWAITING_BACKWARD) or u._handle.pending:
             raise RuntimeError(f"summon_full_params() while a unit is in {u.training_state.name} is not supported "
                                "(inside a forward, a backward or another summon_full_params); call it between steps")
+    # A unit that owns no parameter (a root whose children took them all) is in the summon too, as in
+    # torch: its named_parameters() shows the plain names.
+    idle = [u for u in (all_units(module) if recurse else [module] if is_unit(module) else []) if u not in units]
+    idle_states = [u.training_state for u in idle]
+    for u in idle:
+        u.training_state = TrainingState.SUMMON_FULL_PARAMS
     states = [u.training_state for u in units]
     # A unit gathered before (the root between forward and backward) stays gathered after, as in torch.
     keep = [u._handle.state is HandleState.UNSHARDED and not u._handle.uses_param_mp for u in units]
@@ -90,6 +97,8 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                         u.register_parameter("_flat_param", u._handle.flat_param)
                 else:
                     u._handle.set_full_precision(False)
+                u.training_state = state
+            for u, state in zip(idle, idle_states):
                 u.training_state = state
 
 
@@ -176,12 +185,14 @@ def _persistent_buffers(m: nn.Module) -> list[str]:
     return [n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
 
 
-def full_state_dict(module: nn.Module, rank0_only: bool = False) -> "OrderedDict[str, torch.Tensor]":
+def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None) -> "OrderedDict[str, torch.Tensor]":
     """Every parameter (tied ones under both names) and persistent buffer, whole, with the plain model's names.
 
     In ``module.state_dict()``'s key order, gathered unit by unit (:func:`_walk`).  With
     ``rank0_only`` every rank takes part in the all-gathers, only rank 0 copies (the
-    others return ``{}``), as torch's ``FullStateDictConfig(rank0_only=True)``.
+    others return ``{}``), as torch's ``FullStateDictConfig(rank0_only=True)``.  ``transform``
+    (a function of the whole parameter, called while its unit is gathered) makes the
+    value stored instead: the SHARDED state dict keeps a chunk (``state_dict_type.py``).
     """
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     keep = not rank0_only or dist.get_rank() == 0
@@ -193,7 +204,8 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> "OrderedDict
         for name in _param_names(m, {}):
             p = m._parameters[name]
             if id(p) not in clones:  # (p, its copy): p kept alive, so that its id is not reused
-                clones[id(p)] = (p, p.detach().clone())
+                full = p.detach().clone()
+                clones[id(p)] = (p, transform(full) if transform is not None else full)
             out[clean_name(prefix + name)] = clones[id(p)][1]
         for name in _persistent_buffers(m):  # in its own dtype (before buffer_dtype's cast), as torch
             b = m._buffers[name]

@@ -51,6 +51,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from minifsdp.fsdp import full_params
+from minifsdp.fsdp import state_dict_type as sd_type
+from minifsdp.fsdp import torch_options as opts
 from minifsdp.fsdp.backward import post_backward, pre_backward, register_reshard_only_hook
 from minifsdp.fsdp.checks import (
     broadcast_from_rank0,
@@ -91,22 +93,36 @@ class FullyShardedDataParallel(Unit):
             (``prefetch.py``); forward_prefetch: prefetch in the forward too, in the first iteration's order;
         limit_all_gathers: a prefetch waits while two non-root units' full parameters are alive or
             in flight (an all-gather a unit needs right now is never refused).
+        cpu_offload, ignored_modules, ignored_states: torch's, read as ``torch_options.py`` says
+            (torch's ``ShardingStrategy`` / ``BackwardPrefetch`` / ``MixedPrecision`` are taken too).
+        param_init_fn: refused (a meta-device module is not supported).
+
+    Positional order is torch's.  The torch-API surface beyond the core (state-dict types,
+    traversal, ``apply``, indexing) maps onto it in ``state_dict_type.py``, ``optim_state.py``
+    and the methods below.
     """
 
     def __init__(self, module: nn.Module, process_group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
-                 auto_wrap_policy=None, use_orig_params: bool = False, device_id=None,
-                 sync_module_states: bool = False, device_mesh=None, collectives: str = "torch",
-                 mixed_precision: MixedPrecision | None = None,
+                 cpu_offload=None, auto_wrap_policy=None,
                  backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-                 forward_prefetch: bool = False, limit_all_gathers: bool = True):
+                 mixed_precision: MixedPrecision | None = None, ignored_modules=None, param_init_fn=None,
+                 device_id=None, sync_module_states: bool = False, forward_prefetch: bool = False,
+                 limit_all_gathers: bool = True, use_orig_params: bool = False, ignored_states=None,
+                 device_mesh=None, collectives: str = "torch"):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("FSDP needs a process group: call dist.init_process_group first "
                                "(or run your function with minifsdp.spawn).")
-        if isinstance(sharding_strategy, str):
-            sharding_strategy = ShardingStrategy[sharding_strategy]
+        if param_init_fn is not None:
+            raise NotImplementedError("FSDP(param_init_fn=...) is not implemented in minifsdp: build the module "
+                                      "on a real device (not 'meta') and pass it initialized")
+        sharding_strategy = opts.normalize_strategy(sharding_strategy)  # torch_options.py: torch's keywords
+        backward_prefetch = opts.normalize_prefetch(backward_prefetch)
+        mixed_precision = opts.normalize_mixed_precision(mixed_precision)
+        opts.check_cpu_offload(cpu_offload)
+        ignored_mods, ignored = opts.ignored_params(module, ignored_modules, ignored_states)
         self.groups = resolve_groups(sharding_strategy, process_group, device_mesh)
         if sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) \
                 and self.groups.shard_size == 1:
@@ -114,9 +130,10 @@ class FullyShardedDataParallel(Unit):
             sharding_strategy = ShardingStrategy.NO_SHARD
         self.sharding_strategy = sharding_strategy
         self.use_orig_params = use_orig_params
+        self.cpu_offload = cpu_offload
         self.comm = Comm(collectives)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError("mixed_precision takes a minifsdp MixedPrecision(param_dtype=..., reduce_dtype=...), "
+            raise TypeError("mixed_precision takes a MixedPrecision(param_dtype=..., reduce_dtype=...), "
                             f"got {type(mixed_precision).__name__} (there is no mixed_precision=True)")
         self.mixed_precision = mixed_precision
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
@@ -125,19 +142,25 @@ class FullyShardedDataParallel(Unit):
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         if auto_wrap_policy is not None:
-            kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy,
-                          use_orig_params=use_orig_params, device_id=device_id,
+            kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
+                          use_orig_params=use_orig_params, device_id=device_id, ignored_states=ignored or None,
                           sync_module_states=sync_module_states, device_mesh=device_mesh, collectives=collectives,
-                          mixed_precision=mixed_precision, backward_prefetch=backward_prefetch,
-                          forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
-            recursive_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **kwargs),
-                           only_wrap_children=True)
+                          backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                          limit_all_gathers=limit_all_gathers)
+            fp32 = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
+            if fp32:  # as torch: those modules become their own units, without mixed precision
+                auto_wrap_policy = opts.policy_with_mp_overrides(auto_wrap_policy, fp32)
+                opts.override_mixed_precision(module, fp32)
+            recursive_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(
+                m, mixed_precision=None if isinstance(m, fp32) else mixed_precision, **kwargs),
+                only_wrap_children=True, ignored=ignored_mods)
         if device_id is not None:
             module.to(torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id))
         self._fsdp_wrapped_module = module
         check_ties_across_units(module, use_orig_params)  # wrap.py: a weight tied across units
-        params = [p for p in module.parameters() if not _is_managed(p)]
-        buffers = _own_buffers(module)
+        params = [p for p in module.parameters() if not _is_managed(p) and p not in ignored]
+        ignored_buffers = {id(b) for m in ignored_mods for b in m.buffers()}
+        buffers = [b for b in _own_buffers(module) if id(b) not in ignored_buffers]
         check_one_device(module, params, buffers)
         if sync_module_states:
             broadcast_from_rank0(self.groups, params + buffers)
@@ -179,6 +202,26 @@ class FullyShardedDataParallel(Unit):
                 raise
             return getattr(inner, name)
 
+    def __getitem__(self, key):
+        """``model[0]`` on a wrapped ``nn.Sequential`` / ``ModuleList``, as torch (forwarded)."""
+        return self._fsdp_wrapped_module[key]
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list:
+        """Every FSDP unit in ``module`` (itself included), in ``modules()`` order; the outermost only if
+        ``root_only``."""
+        found = units(module)
+        if root_only:
+            return [u for u in found if not any(o is not u and u in list(o.modules()) for o in found)]
+        return found
+
+    def apply(self, fn):
+        """``nn.Module.apply``; before the first forward, inside ``summon_full_params`` (as torch), so an
+        initializer sees and writes the full parameters."""
+        uninitialized = self._root is None
+        with full_params.summon_full_params(self, recurse=False) if uninitialized else contextlib.nullcontext():
+            return super().apply(fn)
+
     @property
     def is_root(self) -> bool:
         """True for the unit whose forward ran first (known after the first forward)."""
@@ -209,20 +252,24 @@ class FullyShardedDataParallel(Unit):
         return full_params.clip_grad_norm_(self, max_norm, norm_type)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The FULL state dict (torch FSDP1's default type): plain names, whole tensors, on every rank."""
-        full = full_params.full_state_dict(self)
+        """The state dict of the type set by ``FSDP.state_dict_type`` (torch's default: FULL, every rank)."""
+        sd = sd_type.typed_state_dict(self)
         if destination is None:
-            return full
-        for k, v in full.items():
+            return sd
+        for k, v in sd.items():
             destination[prefix + k] = v
         return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state dict (as the plain model's ``state_dict()``); each rank keeps its shard.
+        """Load a state dict of the type set by ``FSDP.state_dict_type``; each rank keeps its shard.
 
         Returns torch's ``_IncompatibleKeys(missing_keys, unexpected_keys)``, plain names.
         """
-        return full_params.load_full_state_dict(self, state_dict, strict=strict)
+        return sd_type.load_typed_state_dict(self, state_dict, strict=strict)
+
+    state_dict_type = staticmethod(sd_type.state_dict_type)
+    set_state_dict_type = staticmethod(sd_type.set_state_dict_type)
+    get_state_dict_type = staticmethod(sd_type.get_state_dict_type)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):

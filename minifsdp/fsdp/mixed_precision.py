@@ -33,9 +33,11 @@ of a flag, and then every rank skips (or takes) the step together.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from minifsdp.fsdp.checks import collective_device
 from minifsdp.fsdp.flat_param import padded_size
@@ -58,6 +60,7 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type] = (_BatchNorm,)  # torch's: own units in fp32 (torch_options.py)
 
     def __post_init__(self):
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):

@@ -50,14 +50,17 @@ def init_root(root: Unit) -> RootStep:
             raise RuntimeError("a nested FSDP unit ran forward on its own before its parent; "
                                "call the outermost FSDP module")
         unit.__dict__["_root"] = root  # a plain reference, not a registered submodule (no cycle)
-    for unit in reversed(step.units):  # innermost first: a buffer takes its own unit's buffer_dtype
+    claimed = set()  # (id(module), name): a buffer takes its own (innermost) unit's buffer_dtype, or none
+    for unit in reversed(step.units):  # innermost first
         mp = unit.mixed_precision
-        if mp is None or mp.buffer_dtype is None:
-            continue
         for m in unit.module.modules():
             for name, b in m._buffers.items():
-                if b is not None and b.is_floating_point() and b.dtype != mp.buffer_dtype:
-                    step.buffer_dtypes.setdefault((id(m), name), b.dtype)
+                if b is None or (id(m), name) in claimed:
+                    continue
+                claimed.add((id(m), name))
+                if mp is not None and mp.buffer_dtype is not None and b.is_floating_point() \
+                        and b.dtype != mp.buffer_dtype:
+                    step.buffer_dtypes[(id(m), name)] = b.dtype
                     m._buffers[name] = b.to(mp.buffer_dtype)
     return step
 

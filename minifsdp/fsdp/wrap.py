@@ -61,22 +61,27 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_num
     return is_large and not isinstance(module, tuple(exclude_wrap_modules))
 
 
-def _nonwrapped_numel(module: nn.Module) -> int:
+def _nonwrapped_numel(module: nn.Module, ignored=frozenset()) -> int:
+    skip = {id(p) for m in ignored for p in m.parameters()}
     return sum(p.numel() for p in module.parameters() if not hasattr(p, "_minifsdp_owner")
-               and not getattr(p, "_minifsdp_flat", False))
+               and not getattr(p, "_minifsdp_flat", False) and id(p) not in skip)
 
 
 def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Module], nn.Module],
-                   only_wrap_children: bool = False) -> tuple[nn.Module, int]:
-    """Wrap ``module``'s subtree where ``policy`` says so; returns (module or its wrapper, numel wrapped)."""
-    if is_unit(module):
+                   only_wrap_children: bool = False, ignored=frozenset()) -> tuple[nn.Module, int]:
+    """Wrap ``module``'s subtree where ``policy`` says so; returns (module or its wrapper, numel wrapped).
+
+    ``ignored``: modules FSDP leaves alone (``ignored_modules``): never wrapped or looked into,
+    their parameters not counted, as torch's ``_recursive_wrap``.
+    """
+    if is_unit(module) or module in ignored:
         return module, 0
-    nonwrapped = _nonwrapped_numel(module)
+    nonwrapped = _nonwrapped_numel(module, ignored)
     if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
         return module, 0
     wrapped_numel = 0
     for name, child in module.named_children():
-        new_child, n = recursive_wrap(child, policy, wrap)
+        new_child, n = recursive_wrap(child, policy, wrap, ignored=ignored)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += n

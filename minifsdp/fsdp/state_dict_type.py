@@ -1,0 +1,228 @@
+"""``FSDP.state_dict_type``: which state dict ``model.state_dict()`` returns, as torch FSDP1 (chapter 4.3).
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        sd = model.state_dict()            # whole tensors, plain names (rank 0; {} elsewhere)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = model.state_dict()            # {name: DTensor}: this rank's dim-0 chunk of each parameter
+        model.load_state_dict(sd)
+
+    type      model.state_dict() holds                         loads by
+    FULL      {plain name: whole tensor} (full_params.py)     copying each rank's slice into its shard
+    SHARDED   {plain name: DTensor, Shard(0)}, buffers whole   all-gathering the chunks, then as FULL
+    LOCAL     {unit path + "_flat_param": local flat shard}    copying straight into the flat shard
+
+Each maps onto what the core already does: FULL is ``full_params.full_state_dict``;
+SHARDED gathers one unit at a time the same way and keeps the chunk
+``torch.chunk(param, N)[r]`` of each parameter (torch's layout for it); LOCAL
+reads the flat parameter itself.
+
+Note (torch's enum and config classes, not copies): ``StateDictType``,
+``FullStateDictConfig``, ``ShardedStateDictConfig``, ``LocalStateDictConfig``, the
+``*OptimStateDictConfig`` and ``StateDictSettings`` are torch's own
+(``torch.distributed.fsdp``), re-exported.  They are plain data with no FSDP
+machinery behind them, and user code imports them from torch: with the same
+classes, ``StateDictType.FULL_STATE_DICT`` from either import works on our FSDP,
+and ``isinstance(cfg, FullStateDictConfig)`` holds for both.
+
+Note (where we differ from torch, on purpose): SHARDED values are ``DTensor`` s
+(torch's public sharded tensor; torch FSDP1 returns the older ``ShardedTensor``
+unless ``_use_dtensor``), with the same local chunk, loadable by
+``torch.distributed.checkpoint``.  LOCAL values are plain tensors (this rank's
+flat shard without its padding, the local shard of torch's ``ShardedTensor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from minifsdp.fsdp.full_params import full_state_dict, load_full_state_dict
+from minifsdp.fsdp.root import buffer_dtype_of
+from minifsdp.fsdp.units import Unit, clean_name, units
+
+__all__ = ["StateDictType", "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig",
+           "LocalStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig",
+           "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "StateDictSettings",
+           "set_state_dict_type", "get_state_dict_type", "state_dict_type", "settings_of",
+           "typed_state_dict", "load_typed_state_dict"]
+
+_CONFIGS = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+_DEFAULT = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+
+
+def settings_of(unit: nn.Module) -> StateDictSettings:
+    """A unit's state-dict settings (torch's default until set: FULL, default configs)."""
+    return unit.__dict__.get("_state_dict_settings", _DEFAULT)
+
+
+def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                        optim_state_dict_config=None) -> StateDictSettings:
+    """Set every unit under ``module`` (which need not be a unit) to this type; returns the previous settings."""
+    sd_cls, optim_cls = _CONFIGS[state_dict_type]
+    state_dict_config = sd_cls() if state_dict_config is None else state_dict_config
+    optim_state_dict_config = optim_cls() if optim_state_dict_config is None else optim_state_dict_config
+    if type(state_dict_config) is not sd_cls:
+        raise RuntimeError(f"Expected state_dict_config of type {sd_cls} but got {type(state_dict_config)}")
+    if type(optim_state_dict_config) is not optim_cls:
+        raise RuntimeError(f"Expected optim_state_dict_config of type {optim_cls} "
+                           f"but got {type(optim_state_dict_config)}")
+    inside = units(module)
+    previous = settings_of(inside[0]) if inside else None
+    new = StateDictSettings(state_dict_type, state_dict_config, optim_state_dict_config)
+    for u in inside:
+        u.__dict__["_state_dict_settings"] = new
+    return previous if previous is not None else StateDictSettings(None, None, None)
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    """The settings of the units under ``module``; they must agree (as torch)."""
+    inside = units(module)
+    if not inside:
+        raise ValueError("get_state_dict_type: no FSDP unit under this module")
+    found = {settings_of(u).state_dict_type for u in inside}
+    if len(found) > 1:
+        raise AssertionError("All FSDP modules must have the same state_dict_type.")
+    return settings_of(inside[0])
+
+
+@contextlib.contextmanager
+def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                    optim_state_dict_config=None):
+    """Inside, ``module.state_dict()`` / ``load_state_dict`` / ``FSDP.optim_state_dict`` use this type."""
+    previous = set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+    try:
+        yield
+    finally:
+        for u in units(module):
+            if previous.state_dict_type is None:
+                u.__dict__.pop("_state_dict_settings", None)
+            else:
+                u.__dict__["_state_dict_settings"] = previous
+
+
+def _mesh(unit) -> DeviceMesh:
+    """A 1-D mesh over the unit's shard group (cached on the unit), for the SHARDED DTensors."""
+    mesh = unit.__dict__.get("_state_dict_mesh")
+    if mesh is None:
+        device = unit.flat_param.device.type if unit.flat_param is not None else "cpu"
+        mesh = unit.__dict__["_state_dict_mesh"] = DeviceMesh.from_group(unit.groups.shard, device)
+    return mesh
+
+
+def _chunked(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """This rank's ``torch.chunk(full, N)[r]`` along dim 0, as a DTensor (a 0-dim tensor is replicated)."""
+    if full.dim() == 0:
+        return DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+    r, n = mesh.get_local_rank(), mesh.size()
+    chunks = torch.chunk(full, n)
+    local = chunks[r].clone() if r < len(chunks) else full.new_empty((0, *full.shape[1:]))
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _local_entries(root) -> list[tuple[str, nn.Module, str]]:
+    """(key, module, attribute) of the LOCAL state dict in ``nn.Module.state_dict`` order: a unit's flat
+    parameter (``_flat_param``) where it is registered, then each module's persistent buffers."""
+    out = []
+
+    def visit(m, prefix):
+        if isinstance(m, Unit) and m._handle is not None:
+            out.append((clean_name(prefix + "_flat_param"), m, "_flat_param"))
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out.append((clean_name(prefix + name), m, name))
+        for name, child in m._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.")
+
+    visit(root, "")
+    return out
+
+
+def _local_state_dict(root) -> "OrderedDict[str, torch.Tensor]":
+    """Each unit's local flat shard without its end padding (torch's ``ShardedTensor`` local shard)."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for key, m, name in _local_entries(root):
+        if name == "_flat_param":
+            h = m._handle
+            shard = h.flat_param.numel()
+            valid = max(0, min(h.layout.numel - h.rank * shard, shard))
+            out[key] = h.flat_param.detach()[:valid].clone()
+        else:
+            b = m._buffers[name]
+            out[key] = b.detach().to(buffer_dtype_of(root, m, name, b), copy=True)
+    return out
+
+
+def typed_state_dict(unit) -> "OrderedDict[str, torch.Tensor]":
+    """``unit.state_dict()`` under its state-dict type (a collective for FULL and SHARDED)."""
+    settings = settings_of(unit)
+    kind, cfg = settings.state_dict_type, settings.state_dict_config
+    if kind is StateDictType.FULL_STATE_DICT:
+        sd = full_state_dict(unit, rank0_only=cfg.rank0_only)
+    elif kind is StateDictType.SHARDED_STATE_DICT:
+        sd = full_state_dict(unit, transform=_chunker(unit))
+    else:
+        sd = _local_state_dict(unit)
+    if getattr(cfg, "offload_to_cpu", False):
+        sd = OrderedDict((k, v.cpu()) for k, v in sd.items())
+    return sd
+
+
+def _chunker(root):
+    """full_state_dict's ``transform`` for SHARDED: a parameter of unit ``u`` becomes its DTensor chunk."""
+    mesh = _mesh(root)
+    return lambda full: _chunked(full, mesh)
+
+
+def load_typed_state_dict(unit, state_dict, strict: bool = True):
+    """``unit.load_state_dict(sd)`` under its state-dict type."""
+    kind = settings_of(unit).state_dict_type
+    if kind is StateDictType.SHARDED_STATE_DICT:
+        state_dict = OrderedDict((k, v.full_tensor() if isinstance(v, DTensor) else v)
+                                 for k, v in state_dict.items())
+    elif kind is StateDictType.LOCAL_STATE_DICT:
+        return _load_local(unit, state_dict, strict)
+    return load_full_state_dict(unit, state_dict, strict=strict)
+
+
+def _load_local(root, state_dict, strict: bool) -> _IncompatibleKeys:
+    entries = _local_entries(root)
+    keys = [k for k, _, _ in entries]
+    missing = [k for k in keys if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in set(keys)]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"Error(s) in loading the LOCAL state_dict for {type(root).__name__}: "
+                           f"missing keys {missing}, unexpected keys {unexpected}")
+    with torch.no_grad():
+        for key, m, name in entries:
+            if key not in state_dict:
+                continue
+            v = state_dict[key]
+            if name == "_flat_param":  # the saved piece has no end padding
+                m._handle.flat_param[: v.numel()].copy_(v.reshape(-1))  # (bumps its version: a kept full
+                # buffer is seen stale, gathered again)
+            else:
+                m._buffers[name].copy_(v)
+    return _IncompatibleKeys(missing, unexpected)

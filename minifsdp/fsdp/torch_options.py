@@ -1,0 +1,133 @@
+"""torch FSDP1's constructor keywords, mapped onto ours: code written for torch passes them unchanged.
+
+    FSDP(model, sharding_strategy=None, cpu_offload=CPUOffload(), ignored_modules=[model.head],
+         mixed_precision=torch.distributed.fsdp.MixedPrecision(param_dtype=torch.float16),
+         backward_prefetch=torch.distributed.fsdp.BackwardPrefetch.BACKWARD_PRE, device_id=torch.device("cpu"))
+
+    keyword                          what it becomes here
+    sharding_strategy=None           FULL_SHARD (torch reads None so)
+    torch's ShardingStrategy, BackwardPrefetch, MixedPrecision
+                                     ours, by name / by field (the same meaning)
+    cpu_offload=CPUOffload()         nothing to do (offload_params=False)
+    CPUOffload(offload_params=True)  refused (RuntimeError, as torch on a CPU-only machine), naming the fix
+    ignored_modules / ignored_states their parameters and buffers stay as they are: not flattened,
+                                     not sharded, not reduced, not checked; auto-wrap skips them
+
+Note (mixed precision and BatchNorm, as torch): with an ``auto_wrap_policy`` and a
+``MixedPrecision``, every module of a class in ``MixedPrecision._module_classes_to_ignore``
+(``_BatchNorm`` by default) becomes its own unit *without* mixed precision, and runs in
+fp32: its inputs are cast to fp32 and its outputs back to the input's dtype
+(:func:`override_mixed_precision`), with torch's warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffload  # torch's own class, re-exported (as state_dict_type.py's)
+from torch.utils._pytree import tree_flatten, tree_map
+
+from minifsdp.fsdp.mixed_precision import MixedPrecision
+from minifsdp.fsdp.prefetch import BackwardPrefetch
+from minifsdp.fsdp.sharding import ShardingStrategy
+from minifsdp.fsdp.units import is_unit
+
+__all__ = ["CPUOffload", "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
+           "ignored_params", "policy_with_mp_overrides", "override_mixed_precision"]
+
+
+def normalize_strategy(strategy) -> ShardingStrategy:
+    """None -> FULL_SHARD; a name or torch's enum -> ours."""
+    if strategy is None:
+        return ShardingStrategy.FULL_SHARD
+    if isinstance(strategy, str):
+        return ShardingStrategy[strategy]
+    if not isinstance(strategy, ShardingStrategy) and hasattr(strategy, "name"):
+        return ShardingStrategy[strategy.name]
+    return strategy
+
+
+def normalize_prefetch(prefetch):
+    if prefetch is not None and not isinstance(prefetch, BackwardPrefetch) and hasattr(prefetch, "name") \
+            and prefetch.name in BackwardPrefetch.__members__:
+        return BackwardPrefetch[prefetch.name]
+    return prefetch
+
+
+def normalize_mixed_precision(mp):
+    """torch's ``MixedPrecision`` (same fields) -> ours."""
+    if mp is None or isinstance(mp, MixedPrecision) or type(mp).__name__ != "MixedPrecision":
+        return mp
+    fields = MixedPrecision.__dataclass_fields__
+    return MixedPrecision(**{k: getattr(mp, k) for k in fields if hasattr(mp, k)})
+
+
+def check_cpu_offload(cpu_offload) -> None:
+    """``CPUOffload(offload_params=True)`` is refused with torch's error type (a RuntimeError, which torch
+    FSDP1 raises on a machine without an accelerator), naming the fix."""
+    if cpu_offload is not None and getattr(cpu_offload, "offload_params", False):
+        raise RuntimeError(
+            "FSDP(cpu_offload=CPUOffload(offload_params=True)) is not supported by minifsdp: parameter offload "
+            "keeps the shards on the CPU between uses of an accelerator, and on a CPU-only run there is nothing "
+            "to offload them from (torch FSDP1 fails there too). Pass cpu_offload=CPUOffload(offload_params=False) "
+            "or leave cpu_offload=None.")
+
+
+def ignored_params(module: nn.Module, ignored_modules=None, ignored_states=None) -> tuple[set, set]:
+    """(the ignored modules and all their submodules, the parameters FSDP leaves alone), as torch's."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("Cannot pass both ignored_modules and ignored_states at the same time. "
+                         "Please just pass ignored_states.")
+    states = list(ignored_states if ignored_states is not None else ignored_modules or [])
+    params = {s for s in states if isinstance(s, nn.Parameter)}
+    roots = [s for s in states if isinstance(s, nn.Module)]
+    if len(params) + len(roots) != len(states):
+        raise TypeError("ignored_states expects all nn.Parameter or all nn.Module list elements, got "
+                        f"{sorted({type(s).__name__ for s in states})}")
+    if any(is_unit(m) for m in roots):
+        raise ValueError("`ignored_modules` should not include FSDP modules")
+    modules = {m for r in roots for m in r.modules() if not is_unit(m)}
+    params |= {p for m in modules for p in m.parameters()}
+    return modules, params
+
+
+def policy_with_mp_overrides(policy, classes: tuple):
+    """torch's ``_or_policy``: also wrap each module of ``classes`` on its own."""
+    def wrapped(module, recurse, nonwrapped_numel):
+        if policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel):
+            return True
+        return recurse or isinstance(module, classes)  # torch's _wrap_module_cls_individually
+    return wrapped
+
+
+def override_mixed_precision(root: nn.Module, classes: tuple) -> None:
+    """Run each ``classes`` module of ``root`` in fp32: inputs cast up, outputs back to the input's dtype."""
+    found = sorted({type(m).__name__ for m in root.modules() if isinstance(m, classes)})
+    for m in root.modules():
+        if isinstance(m, classes) and not getattr(m, "_minifsdp_fp32", False):
+            m._minifsdp_fp32 = True
+            m.register_forward_pre_hook(_cast_inputs_up)
+            m.register_forward_hook(_cast_outputs_back)
+    if found:
+        warnings.warn(f"Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
+                      f"module has submodules of type: {found}. These modules will be wrapped as separate FSDP "
+                      "instances with mixed precision disabled.", stacklevel=3)
+
+
+def _cast(dtype, x):
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+
+def _cast_inputs_up(module, args):
+    cast = [a.dtype for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.is_floating_point()
+            and a.dtype != torch.float32]
+    module.__dict__["_minifsdp_input_dtype"] = cast[-1] if cast else None  # torch: the last one cast
+    return tree_map(functools.partial(_cast, torch.float32), args)
+
+
+def _cast_outputs_back(module, args, output):
+    dtype = module.__dict__.pop("_minifsdp_input_dtype", None)
+    return output if dtype is None else tree_map(functools.partial(_cast, dtype), output)

@@ -1,0 +1,245 @@
+"""Rank functions for tests/test_torch_api.py: the same torch-FSDP1 user code run on torch and on ours.
+
+Every case is a function ``case(api, *args) -> result`` written only against torch FSDP1's public
+API, reached through ``api`` (:class:`Side`): ``api.FSDP`` is torch's ``FullyShardedDataParallel``
+or ours, ``api.MixedPrecision`` and ``api.ShardingStrategy`` likewise.  The state-dict enum and
+config classes are torch's on both sides (ours re-exports them: ``minifsdp.fsdp.state_dict_type``).
+:func:`both` runs a case on each side, on fresh models built from the same seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed.fsdp as tfsdp
+from torch.distributed.fsdp import (
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictType,
+)
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
+
+import minifsdp
+from minifsdp.fsdp.wrap import size_based_auto_wrap_policy
+
+STEPS = 2
+
+
+class Side:
+    """torch FSDP1 (``ours=False``) or minifsdp (``ours=True``), behind the same names."""
+
+    def __init__(self, ours: bool):
+        self.ours = ours
+        mod = minifsdp if ours else tfsdp
+        self.FSDP = mod.FullyShardedDataParallel
+        self.MixedPrecision = mod.MixedPrecision
+        self.ShardingStrategy = mod.ShardingStrategy
+        self.policy = functools.partial(size_based_auto_wrap_policy if ours else torch_size_policy,
+                                        min_num_params=40)
+
+    def wrap(self, model, auto_wrap=True, **kwargs):
+        if auto_wrap:
+            kwargs.setdefault("auto_wrap_policy", self.policy)
+        kwargs.setdefault("device_id", torch.device("cpu"))
+        return self.FSDP(model, **kwargs)
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """Linear(5, 13) -> ReLU -> Linear(13, 11) -> ReLU -> Linear(11, 3): no world size in {2, 3} divides them."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 13), nn.ReLU(), nn.Linear(13, 11), nn.ReLU(), nn.Linear(11, 3))
+
+
+def bn_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 13), nn.BatchNorm1d(13), nn.ReLU(), nn.Linear(13, 3))
+
+
+def batch(step: int, rank: int, rows: int = 4):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(rows, 5, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def train(model, opt, steps: int = STEPS, first: int = 0) -> list[float]:
+    rank, losses = dist.get_rank(), []
+    for step in range(first, first + steps):
+        x, y = batch(step, rank)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_params(api, model) -> list:
+    with api.FSDP.summon_full_params(model):
+        return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def error_of(fn) -> str | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return type(e).__name__
+    return None
+
+
+def both(case: str, *args) -> dict:
+    """Run ``CASES[case]`` on torch's FSDP1 and on ours; ``{"torch": ..., "ours": ...}``."""
+    return {side: globals()[f"case_{case}"](Side(side == "ours"), *args) for side in ("torch", "ours")}
+
+
+# ---------------------------------------------------------------- item 1: state_dict_type
+def _plain(sd) -> dict:
+    return {k: (v.dtype, tuple(v.shape), v.detach().clone()) for k, v in sd.items()}
+
+
+def case_full_state_dict(api, offload: bool, rank0_only: bool, orig: bool, mp: bool):
+    model = api.wrap(bn_mlp(), use_orig_params=orig,
+                     mixed_precision=api.MixedPrecision(param_dtype=torch.float16, buffer_dtype=torch.float16)
+                     if mp else None)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cfg = FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)
+    if not api.ours and offload:
+        # torch FSDP1 on a CPU-only run fails here (offloading a CPU tensor "to CPU" frees the full
+        # parameter it still reads: "setStorage ... out of bounds for storage of size 0"); on CPU the
+        # offload moves nothing, so the oracle is torch's offload_to_cpu=False.
+        cfg = FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only)
+    with api.FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+        sd = model.state_dict()
+    out = {"keys": list(sd), "values": _plain(sd)}
+    with api.FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+        if not rank0_only:  # load it back after a change: the full parameters are the saved ones again
+            with api.FSDP.summon_full_params(model):
+                for p in model.parameters():
+                    p.data.add_(1.0)
+            model.load_state_dict(sd)
+    out["after_load"] = full_params(api, model)
+    return out
+
+
+def case_sharded_state_dict(api, orig: bool):
+    """SHARDED: each rank's dim-0 chunk of every parameter; it loads back into a model trained further."""
+    model = api.wrap(mlp(), use_orig_params=orig)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt)
+    with api.FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()):
+        sd = model.state_dict()
+    local = {}
+    for k, v in sd.items():
+        if hasattr(v, "local_shards"):  # torch: a ShardedTensor
+            shards = v.local_shards()
+            local[k] = shards[0].tensor.clone() if shards else torch.empty(0)
+        elif hasattr(v, "to_local"):  # a DTensor
+            local[k] = v.to_local().clone()
+        else:
+            local[k] = v.clone()
+    saved = full_params(api, model)
+    train(model, opt, first=10)
+    with api.FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(sd)
+    return {"keys": list(sd), "local": local, "saved": saved, "loaded": full_params(api, model)}
+
+
+def case_local_state_dict(api):
+    model = api.wrap(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt)
+    with api.FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()):
+        sd = model.state_dict()
+    local = {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone() for k, v in sd.items()}
+    saved = full_params(api, model)
+    train(model, opt, first=10)
+    continued = full_params(api, model)
+    api.FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)
+    model.load_state_dict(sd)
+    return {"keys": list(sd), "local": local, "saved": saved, "continued": continued,
+            "loaded": full_params(api, model)}
+
+
+def case_optim_state_dict(api, orig: bool, rank0_only: bool):
+    """FULL optimizer state (Adam: a step count and two moments per parameter), then loaded into a fresh run."""
+    model = api.wrap(mlp(), use_orig_params=orig)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, opt)
+    with api.FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                                  FullOptimStateDictConfig(rank0_only=rank0_only)):
+        osd = api.FSDP.optim_state_dict(model, opt)
+        msd = model.state_dict()
+    out = {"state": {k: dict(v) for k, v in osd.get("state", {}).items()},
+           "groups": osd.get("param_groups")}
+    if not rank0_only:
+        fresh = api.wrap(mlp(seed=1), use_orig_params=orig)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        with api.FSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
+            fresh.load_state_dict(msd)
+            fresh_opt.load_state_dict(api.FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd))
+        out["resumed"] = train(fresh, fresh_opt, first=5)
+        out["continued"] = train(model, opt, first=5)
+    return out
+
+
+# ---------------------------------------------------------------- items 2, 3: indexing, traversal, apply
+def case_getitem(api):
+    model = api.wrap(mlp())
+    first, last = model[0], model[-1]
+    return {"types": [type(first).__name__ == "FullyShardedDataParallel", type(model[1]).__name__],
+            "last_is_unit": isinstance(last, api.FSDP)}
+
+
+def case_fsdp_modules(api):
+    model = api.wrap(mlp())
+    names = {id(m): n for n, m in model.named_modules()}
+    return {"all": [names[id(m)] for m in api.FSDP.fsdp_modules(model)],
+            "roots": [names[id(m)] for m in api.FSDP.fsdp_modules(model, root_only=True)],
+            "inner": [names[id(m)] for m in api.FSDP.fsdp_modules(model[0])]}
+
+
+def case_apply(api):
+    """``model.apply(init)`` before the first forward sees (and writes back) full parameters."""
+    model = api.wrap(mlp())
+    shapes = []
+
+    def init(m):
+        if isinstance(m, nn.Linear):
+            shapes.append(tuple(m.weight.shape))
+            with torch.no_grad():
+                m.weight.fill_(0.5)
+                m.bias.zero_()
+
+    model.apply(init)
+    return {"shapes": shapes, "full": full_params(api, model)}
+
+
+# ---------------------------------------------------------------- item 4: constructor keywords
+def case_offload_params(api):
+    """CPUOffload(offload_params=True) on a CPU-only machine: torch fails; so do we, with the same type."""
+    def go():
+        model = api.wrap(mlp(), cpu_offload=CPUOffload(offload_params=True))
+        train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        go()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"type": type(e).__name__, "names_fix": "offload_params=False" in str(e)}
+    return None
+
+
+def case_constructor(api, kind: str):
+    kwargs = {"cpu_offload": dict(cpu_offload=CPUOffload()),
+              "strategy_none": dict(sharding_strategy=None),
+              "device_id": dict(device_id=torch.device("cpu"))}[kind]
+    model = api.wrap(mlp(), **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = train(model, opt)
+    return {"losses": losses, "local": [p.detach().clone() for p in model.parameters()],
+            "full": full_params(api, model)}
