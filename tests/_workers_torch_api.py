@@ -167,20 +167,28 @@ def case_local_state_dict(api):
             "loaded": full_params(api, model)}
 
 
-def case_optim_state_dict(api, orig: bool, rank0_only: bool):
+def _optimizer(name, params):
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def case_optim_state_dict(api, orig: bool, rank0_only: bool, name: str = "adam"):
     """FULL optimizer state (Adam: a step count and two moments per parameter), then loaded into a fresh run."""
     model = api.wrap(mlp(), use_orig_params=orig)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = _optimizer(name, model.parameters())
     train(model, opt)
     with api.FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
                                   FullOptimStateDictConfig(rank0_only=rank0_only)):
         osd = api.FSDP.optim_state_dict(model, opt)
         msd = model.state_dict()
-    out = {"state": {k: dict(v) for k, v in osd.get("state", {}).items()},
+    # copied now, as a checkpoint would be (torch's dict may share tensors with the live optimizer state)
+    out = {"state": {k: {kk: vv.clone() if torch.is_tensor(vv) else vv for kk, vv in v.items()}
+                     for k, v in osd.get("state", {}).items()},
            "groups": osd.get("param_groups")}
     if not rank0_only:
         fresh = api.wrap(mlp(seed=1), use_orig_params=orig)
-        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        fresh_opt = _optimizer(name, fresh.parameters())
         with api.FSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
             fresh.load_state_dict(msd)
             fresh_opt.load_state_dict(api.FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd))

@@ -74,10 +74,20 @@ def test_local_state_dict_is_the_flat_shard_and_round_trips():
     assert rs[0]["ours"]["keys"] == ["_flat_param", "0._flat_param", "2._flat_param"]
 
 
-@pytest.mark.parametrize("orig", [False, True])
 @pytest.mark.parametrize("rank0_only", [False, True])
-def test_full_optim_state_dict_as_torch(orig, rank0_only):
-    rs = run("optim_state_dict", orig, rank0_only, world=3)
+def test_full_optim_state_dict_as_torch(rank0_only):
+    rs = run("optim_state_dict", False, rank0_only, world=3)
+    assert len(rs[0]["ours"]["state"]) == 6
+    if not rank0_only:
+        same(rs[0]["ours"]["resumed"], rs[0]["ours"]["continued"], "resumed vs continued")
+
+
+@pytest.mark.parametrize("rank0_only", [False, True])
+def test_full_optim_state_dict_with_orig_params_as_torch(rank0_only):
+    """use_orig_params=True, SGD with momentum.  (Not Adam: torch FSDP1 on CPU then returns exp_avg_sq in
+    place of exp_avg, both entries equal; and Adam's exp_avg differs in the last bit between
+    use_orig_params=True and False (lerp over differently sized tensors), so neither is an oracle.)"""
+    rs = run("optim_state_dict", True, rank0_only, "sgd", world=3)
     assert len(rs[0]["ours"]["state"]) == 6
     if not rank0_only:
         same(rs[0]["ours"]["resumed"], rs[0]["ours"]["continued"], "resumed vs continued")

@@ -18,6 +18,7 @@ Read in this order (each module imports only those above it):
     fully_sharded.py    FullyShardedDataParallel: the module users see; hooks, order, state
     full_params.py      summon_full_params, clip_grad_norm_, the full state dict
     state_dict_type.py  FSDP.state_dict_type: FULL / SHARDED / LOCAL state dicts (torch's enum and configs)
+    optim_state.py      FSDP.optim_state_dict / optim_state_dict_to_load: optimizer state by original names
     torch_options.py    torch's constructor keywords (cpu_offload, ignored_modules, ...) mapped onto ours
     activation_checkpointing.py  ch 2.3: recompute whole blocks in the backward
     reference_ops.py    ch 2.1: flatten/shard, reduce-scatter, clip as standalone functions (exercises)

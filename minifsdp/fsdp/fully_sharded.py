@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from minifsdp.fsdp import full_params
+from minifsdp.fsdp import full_params, optim_state
 from minifsdp.fsdp import state_dict_type as sd_type
 from minifsdp.fsdp import torch_options as opts
 from minifsdp.fsdp.backward import post_backward, pre_backward, register_reshard_only_hook
@@ -270,6 +270,8 @@ class FullyShardedDataParallel(Unit):
     state_dict_type = staticmethod(sd_type.state_dict_type)
     set_state_dict_type = staticmethod(sd_type.set_state_dict_type)
     get_state_dict_type = staticmethod(sd_type.get_state_dict_type)
+    optim_state_dict = staticmethod(optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):

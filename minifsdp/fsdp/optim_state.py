@@ -1,0 +1,171 @@
+"""``FSDP.optim_state_dict`` / ``FSDP.optim_state_dict_to_load``: the optimizer state under original names.
+
+The optimizer under FSDP steps what ``model.parameters()`` yields: each unit's flat
+shard (or, with ``use_orig_params=True``, each original parameter's 1-D piece of it),
+so its state (Adam's ``exp_avg``, ...) has those shapes.  torch FSDP1's FULL format
+undoes that:
+
+    optim.state_dict()          {0: {"step": 2., "exp_avg": [shard of unit 0's flat param]}, ...}
+    FSDP.optim_state_dict       {"state": {"0.weight": {"step": 2., "exp_avg": 13x5}, ...},
+                                 "param_groups": [{"lr": ..., "params": ["0.weight", "0.bias", ...]}]}
+
+Both directions use one map (:func:`_pieces`): for every tensor the optimizer may hold,
+which numbers of which original parameter its numbers are, from the unit's layout
+(``flat_param.py``): ``tensor.view(-1)[src_lo:src_hi] == original.view(-1)[dst_lo:dst_lo + n]``.
+Saving all-gathers every rank's pieces (``all_gather_object``) and pastes them into
+whole tensors; loading cuts each rank's pieces back out (no communication, unless
+``FullOptimStateDictConfig(rank0_only=True)``: then rank 0's dict is broadcast first).
+
+Only the FULL type is offered (torch's default); SHARDED / LOCAL optimizer state
+dicts are refused with the fix (``minifsdp.checkpoint`` saves sharded optimizer state).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import StateDictType
+
+from minifsdp.fsdp.state_dict_type import get_state_dict_type
+from minifsdp.fsdp.units import clean_name, is_unit, units
+
+__all__ = ["optim_state_dict", "optim_state_dict_to_load"]
+
+
+def _pieces(model: nn.Module) -> dict[int, tuple[torch.Tensor, list]]:
+    """id(tensor) -> (tensor, [(fqn, src_lo, src_hi, dst_lo)]) for every tensor an optimizer may step.
+
+    Every original parameter is listed on every rank, in the layout's order; where this rank
+    holds none of it, ``src_lo == src_hi``."""
+    out: dict[int, tuple[torch.Tensor, list]] = {}
+    for unit_name, u in model.named_modules():
+        h = u._handle if is_unit(u) else None
+        if h is None:
+            continue
+        start = h.rank * h.flat_param.numel() if h.sharded else 0
+        prefix = clean_name(unit_name)
+        for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces()):
+            fqn = f"{prefix}.{slot.fqn}" if prefix else slot.fqn
+            dst = lo + start - slot.offset
+            if h.use_orig_params:
+                out.setdefault(id(slot.param), (slot.param, []))[1].append((fqn, 0, hi - lo, dst))
+            else:  # every slot, even one this rank holds none of (lo == hi): the names are the same everywhere
+                out.setdefault(id(h.flat_param), (h.flat_param, []))[1].append((fqn, lo, hi, dst))
+    for name, p in model.named_parameters():  # parameters FSDP leaves alone (ignored_modules): whole
+        if id(p) not in out and not getattr(p, "_minifsdp_flat", False) and not hasattr(p, "_minifsdp_owner"):
+            out[id(p)] = (p, [(clean_name(name), 0, p.numel(), 0)])
+    return out
+
+
+def _shapes(model: nn.Module) -> dict[str, torch.Size]:
+    shapes = {}
+    for unit_name, u in model.named_modules():
+        if is_unit(u) and u._handle is not None:
+            prefix = clean_name(unit_name)
+            for slot in u._handle.layout.slots:
+                shapes[f"{prefix}.{slot.fqn}" if prefix else slot.fqn] = slot.shape
+    for name, p in model.named_parameters():
+        shapes.setdefault(clean_name(name), p.shape)
+    return shapes
+
+
+def _full_type(model: nn.Module, what: str):
+    settings = get_state_dict_type(model)
+    if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
+        raise NotImplementedError(
+            f"FSDP.{what} with {settings.state_dict_type.name}: minifsdp gives the FULL optimizer state dict "
+            "only. Use FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT), or minifsdp.checkpoint for "
+            "sharded optimizer state.")
+    return settings.optim_state_dict_config
+
+
+def _group(model):
+    inside = units(model)
+    return inside[0].groups.shard if inside else None
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict=None, group=None) -> dict:
+    """torch FSDP1's FULL optimizer state dict: whole tensors under the plain names (a collective)."""
+    cfg = _full_type(model, "optim_state_dict")
+    pieces = _pieces(model)
+    mine, order = [], []
+    for g in optim.param_groups:
+        for p in g["params"]:
+            _, where = pieces.get(id(p), (p, []))
+            order += [fqn for fqn, *_ in where]
+            state = optim.state.get(p, {})
+            for fqn, src_lo, src_hi, dst in where:
+                if src_hi <= src_lo:
+                    continue
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape:
+                        mine.append((fqn, k, dst, v.detach().reshape(-1)[src_lo:src_hi].clone()))
+                    else:
+                        mine.append((fqn, k, None, v.detach().clone() if torch.is_tensor(v) else v))
+    group = group if group is not None else _group(model)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if cfg.rank0_only and dist.get_rank(group) != 0:
+        return {}
+    shapes, state = _shapes(model), {}
+    for fqn, k, dst, v in (item for per_rank in everyone for item in per_rank):
+        d = state.setdefault(fqn, {})
+        if dst is None:
+            d.setdefault(k, v)
+            continue
+        if k not in d:
+            d[k] = torch.zeros(shapes[fqn].numel(), dtype=v.dtype, device=v.device)
+        d[k][dst:dst + v.numel()] = v
+    orig = any(u._handle is not None and u._handle.use_orig_params for u in units(model))
+    for fqn, d in state.items():  # torch's key order: the optimizer's (use_orig_params), else the
+        whole = {k: v.view(shapes[fqn]) for k, v in d.items() if torch.is_tensor(v) and v.dim() > 0}
+        state[fqn] = {**d, **whole} if orig else {**whole, **{k: v for k, v in d.items() if k not in whole}}
+        # gathered (positive-dim) tensors first, then the rest
+    names = iter(order)
+    groups = []
+    for g in optim.param_groups:
+        count = sum(len(pieces.get(id(p), (p, []))[1]) for p in g["params"])
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [next(names) for _ in range(count)]})
+    keys = sorted(order) if orig else order  # torch's order: by name with use_orig_params, else the parameters'
+    return {"state": {f: state[f] for f in keys if f in state}, "param_groups": groups}
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,
+                             is_named_optimizer: bool = False, load_directly: bool = False, group=None) -> dict:
+    """The FULL dict cut back into this rank's pieces, keyed as ``optim.state_dict()``; ready for
+    ``optim.load_state_dict`` (done here if ``load_directly``)."""
+    cfg = _full_type(model, "optim_state_dict_to_load")
+    if cfg.rank0_only:  # only rank 0 passed the dict: every rank needs it
+        box = [optim_state_dict if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        optim_state_dict = box[0]
+    saved = optim_state_dict["state"]
+    pieces, state, groups, index = _pieces(model), {}, [], 0
+    if len(optim_state_dict["param_groups"]) != len(optim.param_groups):
+        raise ValueError(f"the optimizer state dict has {len(optim_state_dict['param_groups'])} parameter groups, "
+                         f"this optimizer {len(optim.param_groups)}: build it with the same groups")
+    for g, saved_group in zip(optim.param_groups, optim_state_dict["param_groups"]):
+        ids = []
+        for p in g["params"]:
+            ids.append(index)
+            _, where = pieces.get(id(p), (p, []))
+            present = [w for w in where if w[0] in saved]
+            if present:
+                new = {}
+                for k, v in saved[present[0][0]].items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        buf = torch.zeros(p.numel(), dtype=v.dtype, device=p.device)
+                        for fqn, src_lo, src_hi, dst in present:
+                            full = saved[fqn][k].reshape(-1)
+                            buf[src_lo:src_hi] = full[dst:dst + src_hi - src_lo].to(p.device)
+                        new[k] = buf.view(p.shape)
+                    else:
+                        new[k] = v.clone() if torch.is_tensor(v) else v
+                state[index] = new
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    out = {"state": state, "param_groups": groups}
+    if load_directly:
+        optim.load_state_dict(out)
+    return out
