@@ -251,3 +251,45 @@ def case_constructor(api, kind: str):
     losses = train(model, opt)
     return {"losses": losses, "local": [p.detach().clone() for p in model.parameters()],
             "full": full_params(api, model)}
+
+
+# ---------------------------------------------------------------- item 5: summon_full_params's arguments
+def _inside(model) -> list:
+    return [(n, tuple(p.shape), p.detach().clone(), None if p.grad is None else p.grad.clone())
+            for n, p in model.named_parameters()]
+
+
+def case_summon(api, orig: bool, kind: str):
+    model = api.wrap(mlp(), use_orig_params=orig)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt)
+    x, y = batch(7, dist.get_rank())
+    F.mse_loss(model(x), y).backward()  # gradients left in place (no zero_grad)
+    summon = functools.partial(api.FSDP.summon_full_params, model)
+    out = {}
+    if kind == "writeback_false":
+        with summon(writeback=False):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+    elif kind == "rank0_only":
+        with summon(rank0_only=True, writeback=False):
+            out["inside"] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    elif kind == "offload":  # torch FSDP1 on a CPU-only run fails with offload_to_cpu=True (setStorage out of
+        # bounds / a Split view modified in place); on CPU nothing moves, so its oracle is offload_to_cpu=False
+        with summon(offload_to_cpu=api.ours, rank0_only=True, writeback=False):
+            out["inside"] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    elif kind == "with_grads":
+        with summon(with_grads=True):
+            out["inside"] = _inside(model)
+        out["grads_after"] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    elif kind == "recurse_false":
+        with api.FSDP.summon_full_params(model[0], recurse=False):
+            out["inside"] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    elif kind == "errors":
+        out["rank0_writeback"] = error_of(lambda: summon(rank0_only=True, writeback=True).__enter__())
+        if not orig:
+            out["grads_without_orig"] = error_of(lambda: summon(with_grads=True).__enter__())
+    opt.step()
+    out["full"] = full_params(api, model)
+    return out

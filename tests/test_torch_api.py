@@ -120,3 +120,15 @@ def test_parameter_offload_is_refused_as_torch_on_cpu():
     assert len(rs) == 2
     for r in rs:
         assert r["torch"] is not None and r["ours"] == {"type": r["torch"]["type"], "names_fix": True}
+
+
+# ---------------------------------------------------------------- item 5
+@pytest.mark.parametrize("orig", [False, True])
+@pytest.mark.parametrize("kind", ["writeback_false", "rank0_only", "offload", "recurse_false", "errors"])
+def test_summon_full_params_arguments_as_torch(orig, kind):
+    run("summon", orig, kind, world=3)
+
+
+def test_summon_full_params_with_grads_as_torch():
+    rs = run("summon", True, "with_grads", world=3)
+    assert all(g is not None for *_, g in rs[0]["ours"]["inside"])

@@ -41,25 +41,37 @@ __all__ = ["summon_full_params", "clip_grad_norm_", "full_state_dict", "load_ful
 
 
 @contextlib.contextmanager
-def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False):
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                       offload_to_cpu: bool = False, with_grads: bool = False):
     """Inside: every unit under ``module`` is whole; ``module.blocks[0].attn.qkv.weight`` has its full shape.
 
     Collective: call it on every rank.  With ``writeback=True`` (torch's default)
     in-place edits to the full parameters are copied back into each rank's shard.
     ``rank0_only=True`` (torch's, with ``writeback=False``): the other ranks take part
     in the all-gathers and free the result at once; inside, they see their shards.
+    ``with_grads=True`` (``use_orig_params=True`` only, as torch): each parameter's ``.grad``
+    is the full gradient too (all-gathered; zeros where a rank had none), the shards'
+    gradients come back on exit.  ``offload_to_cpu``: the full parameters are on the CPU
+    already when the model is (torch's CPU-only run fails there; ours does nothing).
     """
     if rank0_only and writeback:
         raise NotImplementedError("summon_full_params(rank0_only=True) needs writeback=False (as in torch): "
                                   "only rank 0 holds the full parameters to write back from")
+    if with_grads and (offload_to_cpu or any(not u._handle.use_orig_params for u in _units(module))):
+        raise NotImplementedError("summon_full_params(with_grads=True) needs use_orig_params=True and "
+                                  "offload_to_cpu=False (as in torch)")
+    if offload_to_cpu and any(u._handle.flat_param.device.type != "cpu" for u in _units(module)):
+        raise NotImplementedError("summon_full_params(offload_to_cpu=True) on an accelerator is not implemented "
+                                  "in minifsdp: pass offload_to_cpu=False")
     if recurse:
         units = _units(module)
     else:  # only this unit's own parameters, as torch (never a child's in its place)
         units = [module] if is_unit(module) and module._handle is not None else []
     for u in units:
         if u.training_state not in (TrainingState.IDLE, TrainingState.AWAITING_BACKWARD) or u._handle.pending:
-            raise RuntimeError(f"summon_full_params() while a unit is in {u.training_state.name} is not supported "
-                               "(inside a forward, a backward or another summon_full_params); call it between steps")
+            raise AssertionError(  # torch's type ("Cannot manually unshard parameters during forward/backward")
+                f"summon_full_params() while a unit is in {u.training_state.name} is not supported "
+                "(inside a forward, a backward or another summon_full_params); call it between steps")
     # A unit that owns no parameter (a root whose children took them all) is in the summon too, as in
     # torch: its named_parameters() shows the plain names.
     idle = [u for u in (all_units(module) if recurse else [module] if is_unit(module) else []) if u not in units]
@@ -79,12 +91,17 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                 if not kept:
                     u._handle.reshard()
                 continue
-            u._parameters.pop("_flat_param", None)  # torch shows the original parameters, not the flat one
+            u.module._parameters.pop("_flat_param", None)  # torch shows the original parameters, not the flat one
             u._handle.use_full_params()
+    grads = [u._handle.show_full_grads() for u in units] if with_grads else []
     try:
         yield
     finally:
         with torch.no_grad():
+            for u in units:  # the full gradients let go first: .data and .grad shapes must agree
+                if with_grads:
+                    for slot in u._handle.layout.slots:
+                        slot.param.grad = None
             for u, state, kept in zip(units, states, keep):
                 if shown:
                     if writeback:
@@ -93,8 +110,10 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                         u._handle.reshard()
                     u._handle.set_full_precision(False)
                     u._handle.drop_full_params()
+                    if with_grads:
+                        u._handle.restore_grads(grads[units.index(u)])
                     if not u._handle.use_orig_params:
-                        u.register_parameter("_flat_param", u._handle.flat_param)
+                        u.module.register_parameter("_flat_param", u._handle.flat_param)
                 else:
                     u._handle.set_full_precision(False)
                 u.training_state = state

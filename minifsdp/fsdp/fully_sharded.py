@@ -172,7 +172,8 @@ class FullyShardedDataParallel(Unit):
                                            mixed_precision)
             self._handle.take_over_params()
             if not use_orig_params:
-                self.register_parameter("_flat_param", self._handle.flat_param)
+                # on the wrapped module, as torch: named "_fsdp_wrapped_module._flat_param"
+                module.register_parameter("_flat_param", self._handle.flat_param)
         self.training_state = TrainingState.IDLE
         self._root: FullyShardedDataParallel | None = None  # set at the first forward (_lazy_init)
         self._root_step: RootStep | None = None  # the root's only

@@ -269,6 +269,33 @@ class FlatParamHandle(GradientReduction):
             clear_tensor_attr(sh.module, sh.name)
             sh.module._parameters[sh.name] = params[sh.primary]
 
+    def show_full_grads(self) -> list:
+        """summon_full_params(with_grads=True), use_orig_params: each original's ``.grad`` becomes its full
+        gradient (collective: the shards' gradients all-gathered, zeros for a rank that has none; None
+        everywhere if no rank has one, as torch).  Returns the shards' gradients, for :meth:`restore_grads`."""
+        before = [s.param.grad for s in self.layout.slots]
+        local = torch.zeros(self.layout.shard_numel if self.sharded else self.layout.numel,
+                            dtype=self.flat_param.dtype, device=self.flat_param.device)
+        for slot, (lo, hi), g in zip(self.layout.slots, self.local_pieces(), before):
+            if g is not None and hi > lo:
+                local[lo:hi] = g.reshape(-1)
+        has = torch.tensor([float(any(g is not None for g in before))], device=local.device)
+        if self.sharded:
+            self.comm.all_reduce(has, self.groups.shard).wait()
+        if has.item() == 0:
+            return before
+        full = local
+        if self.sharded:
+            full = torch.empty(self.layout.padded_numel, dtype=local.dtype, device=local.device)
+            self.comm.all_gather(full, local, self.groups.shard).wait()
+        for slot, v in zip(self.layout.slots, unflatten(full[: self.layout.numel], self.layout)):
+            slot.param.grad = v if slot.requires_grad else None
+        return before
+
+    def restore_grads(self, before: list) -> None:
+        for slot, g in zip(self.layout.slots, before):
+            slot.param.grad = g
+
     def drop_full_params(self) -> None:
         """Undo :meth:`use_full_params`: the names become sharded views again."""
         if not self.use_orig_params:
