@@ -293,3 +293,19 @@ def case_summon(api, orig: bool, kind: str):
     opt.step()
     out["full"] = full_params(api, model)
     return out
+
+
+# ---------------------------------------------------------------- item 6: keep_low_precision_grads
+def case_keep_low_precision_grads(api, orig: bool, strategy: str):
+    mp = api.MixedPrecision(param_dtype=torch.float16, keep_low_precision_grads=True)
+    model = api.wrap(mlp(), use_orig_params=orig, mixed_precision=mp,
+                     sharding_strategy=getattr(api.ShardingStrategy, strategy))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    grads = []
+    for step in range(STEPS):
+        x, y = batch(step, dist.get_rank())
+        F.mse_loss(model(x), y).backward()
+        grads.append([(p.grad.dtype, p.grad.clone()) if p.grad is not None else None for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return {"grads": grads, "full": full_params(api, model)}

@@ -86,8 +86,7 @@ def test_bad_arguments():
 
     with pytest.raises(ValueError, match="floating dtype"):
         MixedPrecision(param_dtype=torch.int8)
-    with pytest.raises(NotImplementedError, match="keep_low_precision_grads"):
-        MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)  # implemented: tests/test_torch_api.py
     with pytest.raises(ValueError, match="backoff_factor"):
         ShardedGradScaler(backoff_factor=2.0)
     assert MixedPrecision(param_dtype=torch.float16).dtypes_for(torch.float32) == (torch.float16, torch.float16)

@@ -132,3 +132,11 @@ def test_summon_full_params_arguments_as_torch(orig, kind):
 def test_summon_full_params_with_grads_as_torch():
     rs = run("summon", True, "with_grads", world=3)
     assert all(g is not None for *_, g in rs[0]["ours"]["inside"])
+
+
+# ---------------------------------------------------------------- item 6
+@pytest.mark.parametrize("orig", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_keep_low_precision_grads_as_torch(orig, strategy):
+    rs = run("keep_low_precision_grads", orig, strategy, world=3)
+    assert {g[0] for g in rs[0]["ours"]["grads"][0] if g is not None} == {torch.float16}

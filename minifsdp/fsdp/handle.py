@@ -99,6 +99,8 @@ class FlatParamHandle(GradientReduction):
         self.param_dtype, self.reduce_dtype = (mixed_precision.dtypes_for(self.orig_dtype) if mixed_precision
                                                else (self.orig_dtype, self.orig_dtype))
         self.uses_param_mp = self.param_dtype != self.orig_dtype
+        keep_low = mixed_precision is not None and mixed_precision.keep_low_precision_grads
+        self.grad_dtype = self.param_dtype if keep_low else self.orig_dtype  # what the optimizer receives
         self.casts_unsharded = self.uses_param_mp and not self.sharded  # NO_SHARD: cast, no gather
         self.frees = self.sharded or self.casts_unsharded  # the full (compute) buffer is freed between uses
         # torch aligns each parameter to 16 bytes (of the compute dtype) when use_orig_params=True; so do we.

@@ -10,7 +10,8 @@ One unit, rank r, FULL_SHARD, in torch FSDP1's order (``_flat_param.py``,
     flat_param.grad (fp32) <--cast-- /(N/f) <-- reduce-scatter <-- /f <-- full grad --cast--> (reduce_dtype)
 
 * the optimizer only ever sees fp32: the sharded master parameters and their
-  fp32 gradient shards (``keep_low_precision_grads=False``, torch's default);
+  fp32 gradient shards (``keep_low_precision_grads=False``, torch's default; with True
+  the gradient shards stay in ``param_dtype``, as torch's);
 * the cast happens on the *shard* before the all-gather, so the all-gather
   moves half the bytes, and each rank casts only its 1/N;
 * gradients are divided by ``f`` before and ``N / f`` after the reduction (see
@@ -68,9 +69,6 @@ class MixedPrecision:
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise ValueError(f"MixedPrecision.{name} must be a floating dtype such as torch.bfloat16, "
                                  f"got {value!r}")
-        if self.keep_low_precision_grads:
-            raise NotImplementedError("keep_low_precision_grads=True is not implemented in minifsdp: the optimizer "
-                                      "always receives fp32 gradient shards (torch's default)")
 
     def dtypes_for(self, orig_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """(compute dtype of the unsharded parameters, dtype of the gradient reduction), as torch resolves them."""

@@ -16,6 +16,9 @@ Where a unit's gradient lives (torch FSDP1's places, so ``zero_grad`` reaches it
     NO_SHARD                     flat_param.grad            flat_param.grad (all-reduced in place)
     NO_SHARD + param_dtype       unsharded.grad (bf16)      flat_param.grad (fp32, a cast of the all-reduce)
 
+``MixedPrecision(keep_low_precision_grads=True)``: the optimizer's gradient stays in
+``param_dtype`` (``grad_dtype``), as torch's; ``set_grad`` lets a gradient's dtype differ.
+
 Note (NO_SHARD with parameter mixed precision): torch's flat parameter *is* the
 low-precision leaf during the forward and backward (its ``.data`` swapped to the
 cast copy), so its ``AccumulateGrad`` adds the bf16 gradient ``g`` straight into
@@ -151,21 +154,24 @@ class GradientReduction:
             if out is None:  # NO_SHARD: grad is flat_param.grad, or its cast to reduce_dtype
                 if self.postdivide > 1:
                     grad.div_(self.postdivide)
-                if grad is not self.flat_param.grad or grad.dtype != self.flat_param.dtype:
-                    self.flat_param.grad = grad.to(self.flat_param.dtype)  # torch: _cast_grad_to_param_dtype
+                if grad is not self.flat_param.grad or grad.dtype != self.grad_dtype:
+                    set_grad(self.flat_param, grad.to(self.grad_dtype))  # torch: _cast_grad_to_param_dtype
                 continue
             if self.groups.replicate is not None:
                 self.comm.all_reduce(out, self.groups.replicate).wait()
-            out = finish_reduced_shard(out, self.postdivide, self.flat_param.dtype)  # fp32 for the optimizer
+            out = finish_reduced_shard(out, self.postdivide, self.grad_dtype)  # fp32 for the optimizer
             kept = self.saved_grad_shard if self.saved_grad_shard is not None else self.flat_param.grad
             self.saved_grad_shard = None
             if kept is None:
-                self.flat_param.grad = out
+                set_grad(self.flat_param, out)
             else:
                 kept += out  # accumulate onto the kept shard, in torch's order (kept + new)
-                self.flat_param.grad = kept
+                set_grad(self.flat_param, kept)
         self.pending.clear()
         if self.use_orig_params and self.flat_param.grad is not None:
             for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
                 if slot.requires_grad:  # as torch: no gradient where this rank holds none of the parameter
-                    slot.param.grad = self.flat_param.grad[lo:hi].view(slot.param.shape) if hi > lo else None
+                    if hi > lo:
+                        set_grad(slot.param, self.flat_param.grad[lo:hi].view(slot.param.shape))
+                    else:
+                        slot.param.grad = None
