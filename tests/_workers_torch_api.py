@@ -309,3 +309,71 @@ def case_keep_low_precision_grads(api, orig: bool, strategy: str):
         opt.step()
         opt.zero_grad()
     return {"grads": grads, "full": full_params(api, model)}
+
+
+# ---------------------------------------------------------------- item 4: ignored modules
+def case_ignored(api, orig: bool, as_states: bool):
+    model = mlp()
+    ignored = [model[2]]
+    kw = dict(ignored_states=ignored) if as_states else dict(ignored_modules=ignored)
+    model = api.wrap(model, use_orig_params=orig, **kw)
+    local = [(tuple(p.shape), p.detach().clone()) for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = train(model, opt)
+    with api.FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        sd = model.state_dict()
+    return {"local": local, "losses": losses, "sd": _plain(sd), "ignored": model[2].weight.detach().clone(),
+            "full": full_params(api, model)}
+
+
+# ---------------------------------------------------------------- item 7: behaviours
+def case_no_sync_grads(api, orig: bool):
+    model = api.wrap(mlp(), use_orig_params=orig)
+    rank, out = dist.get_rank(), {}
+    with model.no_sync():
+        for step in range(2):
+            x, y = batch(step, rank)
+            F.mse_loss(model(x), y).backward()
+            out[f"inside{step}"] = [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()]
+    x, y = batch(5, rank)
+    F.mse_loss(model(x), y).backward()
+    out["synced"] = [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()]
+    return out
+
+
+def case_clip_inf(api, norm_type: float):
+    """use_orig_params=True at 3 ranks: Linear(13, 11)'s bias lies on the last rank only (grad None elsewhere)."""
+    model = api.wrap(mlp(), use_orig_params=True)
+    x, y = batch(0, dist.get_rank())
+    F.mse_loss(model(x), y).backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    total = model.clip_grad_norm_(0.01, norm_type=norm_type)
+    return {"grads": grads, "total": total, "clipped": [None if p.grad is None else p.grad.clone()
+                                                          for p in model.parameters()]}
+
+
+def case_clip_no_grads(api):
+    model = api.wrap(mlp())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        total = model.clip_grad_norm_(1.0)
+    return {"total": total, "warned": [str(w.message).split(" -- ")[0].replace(f"rank {dist.get_rank()}", "rank r")
+                                       for w in caught if "no gradients" in str(w.message)]}
+
+
+# ---------------------------------------------------------------- item 8: errors torch raises
+def case_errors(api, kind: str):
+    if kind == "mixed_orig_params":
+        torch.manual_seed(0)
+        inner = api.FSDP(nn.Linear(5, 13), use_orig_params=True, device_id=torch.device("cpu"))
+        model = api.FSDP(nn.Sequential(inner, nn.Linear(13, 3)), use_orig_params=False,
+                         device_id=torch.device("cpu"))
+        return error_of(lambda: model(batch(0, 0)[0]))
+    model = api.wrap(mlp())
+    x, y = batch(0, dist.get_rank())
+    if kind == "summon_in_forward":
+        model[2].register_forward_pre_hook(lambda m, a: api.FSDP.summon_full_params(model).__enter__())
+        return error_of(lambda: model(x))
+    out = model(x)
+    out.register_hook(lambda g: api.FSDP.summon_full_params(model).__enter__())
+    return error_of(lambda: F.mse_loss(out, y).backward())

@@ -140,3 +140,36 @@ def test_summon_full_params_with_grads_as_torch():
 def test_keep_low_precision_grads_as_torch(orig, strategy):
     rs = run("keep_low_precision_grads", orig, strategy, world=3)
     assert {g[0] for g in rs[0]["ours"]["grads"][0] if g is not None} == {torch.float16}
+
+
+@pytest.mark.parametrize("orig", [False, True])
+@pytest.mark.parametrize("as_states", [False, True])
+def test_ignored_modules_stay_whole_and_local_as_torch(orig, as_states):
+    rs = run("ignored", orig, as_states, world=3)
+    assert rs[0]["ours"]["ignored"].shape == (11, 13)
+    assert any(shape == (11, 13) for shape, _ in rs[1]["ours"]["local"])  # not sharded
+
+
+# ---------------------------------------------------------------- item 7
+@pytest.mark.parametrize("orig", [False, True])
+def test_no_sync_grads_are_the_accumulated_unsharded_gradients(orig):
+    rs = run("no_sync_grads", orig, world=3)
+    assert all(g is not None for _, g in rs[0]["ours"]["inside1"])
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_with_empty_shards_as_torch(norm_type):
+    rs = run("clip_inf", norm_type, world=3)
+    assert any(g is None for g in rs[0]["ours"]["grads"])  # a parameter rank 0 holds none of: grad None
+
+
+def test_clip_grad_norm_without_gradients_warns_as_torch():
+    rs = run("clip_no_grads")
+    assert len(rs[0]["ours"]["warned"]) == 1
+
+
+# ---------------------------------------------------------------- item 8
+@pytest.mark.parametrize("kind", ["summon_in_forward", "summon_in_backward", "mixed_orig_params"])
+def test_errors_torch_raises(kind):
+    rs = run("errors", kind)
+    assert rs[0]["ours"] is not None

@@ -250,7 +250,13 @@ class FullyShardedDataParallel(Unit):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over all shards (collective); returns the total norm, as torch."""
+        if self._root is None:  # before any forward: this unit is the root (torch's lazy init)
+            self._init_root()
         return full_params.clip_grad_norm_(self, max_norm, norm_type)
+
+    def _init_root(self) -> None:
+        self._root_step = init_root(self)  # root.py
+        opts.check_homogeneous(self._root_step.units)  # torch_options.py
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The state dict of the type set by ``FSDP.state_dict_type`` (torch's default: FULL, every rank)."""
@@ -277,7 +283,7 @@ class FullyShardedDataParallel(Unit):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         if self._root is None:
-            self._root_step = init_root(self)  # the first unit to run forward is the root
+            self._init_root()  # the first unit to run forward is the root
         mp, root, h = self.mixed_precision, self._root, self._handle
         step = root._root_step
         if self.is_root:

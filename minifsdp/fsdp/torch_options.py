@@ -12,6 +12,8 @@
     CPUOffload(offload_params=True)  refused (RuntimeError, as torch on a CPU-only machine), naming the fix
     ignored_modules / ignored_states their parameters and buffers stay as they are: not flattened,
                                      not sharded, not reduced, not checked; auto-wrap skips them
+    nested units that differ in use_orig_params / limit_all_gathers: refused at the root's first
+                                     forward (torch's ValueError), :func:`check_homogeneous`
 
 Note (mixed precision and BatchNorm, as torch): with an ``auto_wrap_policy`` and a
 ``MixedPrecision``, every module of a class in ``MixedPrecision._module_classes_to_ignore``
@@ -35,7 +37,7 @@ from minifsdp.fsdp.prefetch import BackwardPrefetch
 from minifsdp.fsdp.sharding import ShardingStrategy
 from minifsdp.fsdp.units import is_unit
 
-__all__ = ["CPUOffload", "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
+__all__ = ["check_homogeneous", "CPUOffload", "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
            "ignored_params", "policy_with_mp_overrides", "override_mixed_precision"]
 
 
@@ -131,3 +133,14 @@ def _cast_inputs_up(module, args):
 def _cast_outputs_back(module, args, output):
     dtype = module.__dict__.pop("_minifsdp_input_dtype", None)
     return output if dtype is None else tree_map(functools.partial(_cast, dtype), output)
+
+
+def check_homogeneous(units: list) -> None:
+    """At the root's first forward: every unit must agree on ``use_orig_params`` and ``limit_all_gathers``
+    (torch's ValueError, its message, and which units differ)."""
+    for attr in ("use_orig_params", "limit_all_gathers"):
+        values = {getattr(u, attr) for u in units}
+        if len(values) > 1:
+            raise ValueError(f"Expects one homogeneous value for {attr} but got {values}: every FSDP unit of one "
+                             f"model must be built with the same {attr}= (pass it to the outer FSDP and its "
+                             "auto_wrap_policy, or to each nested FSDP alike)")
