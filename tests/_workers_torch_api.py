@@ -322,8 +322,12 @@ def case_ignored(api, orig: bool, as_states: bool):
     losses = train(model, opt)
     with api.FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         sd = model.state_dict()
+    x, y = batch(9, dist.get_rank())
+    F.mse_loss(model(x), y).backward()  # the ignored layer's gradient is local: it counts in the norm as is
+    total = model.clip_grad_norm_(0.01)
     return {"local": local, "losses": losses, "sd": _plain(sd), "ignored": model[2].weight.detach().clone(),
-            "full": full_params(api, model)}
+            "full": full_params(api, model), "total": total,
+            "clipped": [None if p.grad is None else p.grad.clone() for p in model.parameters()]}
 
 
 # ---------------------------------------------------------------- item 7: behaviours
@@ -377,3 +381,13 @@ def case_errors(api, kind: str):
     out = model(x)
     out.register_hook(lambda g: api.FSDP.summon_full_params(model).__enter__())
     return error_of(lambda: F.mse_loss(out, y).backward())
+
+
+def case_torch_enums(api):
+    """torch's own ShardingStrategy, BackwardPrefetch and MixedPrecision, passed to either FSDP."""
+    model = api.wrap(mlp(), sharding_strategy=tfsdp.ShardingStrategy.SHARD_GRAD_OP,
+                     backward_prefetch=tfsdp.BackwardPrefetch.BACKWARD_POST,
+                     mixed_precision=tfsdp.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32))
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return {"losses": losses, "local": [p.detach().clone() for p in model.parameters()],
+            "full": full_params(api, model)}

@@ -150,6 +150,10 @@ def test_ignored_modules_stay_whole_and_local_as_torch(orig, as_states):
     assert any(shape == (11, 13) for shape, _ in rs[1]["ours"]["local"])  # not sharded
 
 
+def test_torch_enums_and_mixed_precision_are_accepted():
+    run("torch_enums", world=3)
+
+
 # ---------------------------------------------------------------- item 7
 @pytest.mark.parametrize("orig", [False, True])
 def test_no_sync_grads_are_the_accumulated_unsharded_gradients(orig):

@@ -144,6 +144,9 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
         target = sharded if u._handle.sharded else replicated
         tensors = [s.param for s in u._handle.layout.slots] if u._handle.use_orig_params else [u._handle.flat_param]
         target.extend(t.grad for t in tensors if t.grad is not None)
+    managed = {id(u._handle.flat_param) for u in units} | {id(s.param) for u in units for s in u._handle.layout.slots}
+    # parameters FSDP leaves alone (ignored_modules): their local gradients count as they are, as torch
+    replicated.extend(p.grad for p in root.parameters() if id(p) not in managed and p.grad is not None)
     if not sharded and not replicated:  # still a collective below: every rank takes part
         warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank()} with no gradients -- returning "
                       f"the total norm in the default dtype {torch.get_default_dtype()}", stacklevel=3)
