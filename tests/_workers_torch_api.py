@@ -391,3 +391,22 @@ def case_torch_enums(api):
     losses = train(model, torch.optim.SGD(model.parameters(), lr=0.1))
     return {"losses": losses, "local": [p.detach().clone() for p in model.parameters()],
             "full": full_params(api, model)}
+
+
+def case_settings(api):
+    """set_state_dict_type returns the previous settings; get_state_dict_type reads them; a config of the
+    wrong type is refused; the context manager restores what was there."""
+    model = api.wrap(mlp())
+    first = api.FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    now = api.FSDP.get_state_dict_type(model)
+    with api.FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        inside = api.FSDP.get_state_dict_type(model)
+    after = api.FSDP.get_state_dict_type(model)
+    wrong = error_of(lambda: api.FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                                          ShardedStateDictConfig()))
+
+    def show(s):
+        return (s.state_dict_type, type(s.state_dict_config).__name__, type(s.optim_state_dict_config).__name__,
+                getattr(s.state_dict_config, "rank0_only", None))
+
+    return {"first": show(first), "now": show(now), "inside": show(inside), "after": show(after), "wrong": wrong}

@@ -93,6 +93,12 @@ def test_full_optim_state_dict_with_orig_params_as_torch(rank0_only):
         same(rs[0]["ours"]["resumed"], rs[0]["ours"]["continued"], "resumed vs continued")
 
 
+def test_state_dict_settings_as_torch():
+    rs = run("settings")
+    assert rs[0]["ours"]["wrong"] == "RuntimeError"
+    assert rs[0]["ours"]["after"][0] == rs[0]["ours"]["now"][0]
+
+
 # ---------------------------------------------------------------- items 2, 3
 def test_indexing_a_wrapped_sequential():
     rs = run("getitem")

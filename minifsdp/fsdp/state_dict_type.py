@@ -181,19 +181,14 @@ def typed_state_dict(unit) -> "OrderedDict[str, torch.Tensor]":
     kind, cfg = settings.state_dict_type, settings.state_dict_config
     if kind is StateDictType.FULL_STATE_DICT:
         sd = full_state_dict(unit, rank0_only=cfg.rank0_only)
-    elif kind is StateDictType.SHARDED_STATE_DICT:
-        sd = full_state_dict(unit, transform=_chunker(unit))
+    elif kind is StateDictType.SHARDED_STATE_DICT:  # gathered unit by unit, each parameter kept as its chunk
+        mesh = _mesh(unit)
+        sd = full_state_dict(unit, transform=lambda full: _chunked(full, mesh))
     else:
         sd = _local_state_dict(unit)
     if getattr(cfg, "offload_to_cpu", False):
         sd = OrderedDict((k, v.cpu()) for k, v in sd.items())
     return sd
-
-
-def _chunker(root):
-    """full_state_dict's ``transform`` for SHARDED: a parameter of unit ``u`` becomes its DTensor chunk."""
-    mesh = _mesh(root)
-    return lambda full: _chunked(full, mesh)
 
 
 def load_typed_state_dict(unit, state_dict, strict: bool = True):
