@@ -10,14 +10,13 @@ config classes are torch's on both sides (ours re-exports them: ``minifsdp.fsdp.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as tfsdp
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed.fsdp as tfsdp
 from torch.distributed.fsdp import (
     CPUOffload,
     FullOptimStateDictConfig,
@@ -338,7 +337,8 @@ def case_no_sync_grads(api, orig: bool):
         for step in range(2):
             x, y = batch(step, rank)
             F.mse_loss(model(x), y).backward()
-            out[f"inside{step}"] = [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()]
+            out[f"inside{step}"] = [(n, None if p.grad is None else p.grad.clone())
+                                    for n, p in model.named_parameters()]
     x, y = batch(5, rank)
     F.mse_loss(model(x), y).backward()
     out["synced"] = [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()]

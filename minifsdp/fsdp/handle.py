@@ -278,7 +278,7 @@ class FlatParamHandle(GradientReduction):
         before = [s.param.grad for s in self.layout.slots]
         local = torch.zeros(self.layout.shard_numel if self.sharded else self.layout.numel,
                             dtype=self.flat_param.dtype, device=self.flat_param.device)
-        for slot, (lo, hi), g in zip(self.layout.slots, self.local_pieces(), before):
+        for (lo, hi), g in zip(self.local_pieces(), before):
             if g is not None and hi > lo:
                 local[lo:hi] = g.reshape(-1)
         has = torch.tensor([float(any(g is not None for g in before))], device=local.device)

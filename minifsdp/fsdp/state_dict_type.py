@@ -38,7 +38,6 @@ from collections import OrderedDict
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.module import _IncompatibleKeys
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
@@ -53,6 +52,7 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.modules.module import _IncompatibleKeys
 
 from minifsdp.fsdp.full_params import full_state_dict, load_full_state_dict
 from minifsdp.fsdp.root import buffer_dtype_of

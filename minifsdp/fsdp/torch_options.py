@@ -37,8 +37,8 @@ from minifsdp.fsdp.prefetch import BackwardPrefetch
 from minifsdp.fsdp.sharding import ShardingStrategy
 from minifsdp.fsdp.units import is_unit
 
-__all__ = ["check_homogeneous", "CPUOffload", "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
-           "ignored_params", "policy_with_mp_overrides", "override_mixed_precision"]
+__all__ = ["CPUOffload", "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
+           "check_homogeneous", "ignored_params", "policy_with_mp_overrides", "override_mixed_precision"]
 
 
 def normalize_strategy(strategy) -> ShardingStrategy:
