@@ -204,12 +204,14 @@ def case_getitem(api):
             "last_is_unit": isinstance(last, api.FSDP)}
 
 
-def case_fsdp_modules(api):
-    model = api.wrap(mlp())
+def case_fsdp_modules(api, orig: bool):
+    model = api.wrap(mlp(), use_orig_params=orig)
     names = {id(m): n for n, m in model.named_modules()}
     return {"all": [names[id(m)] for m in api.FSDP.fsdp_modules(model)],
             "roots": [names[id(m)] for m in api.FSDP.fsdp_modules(model, root_only=True)],
-            "inner": [names[id(m)] for m in api.FSDP.fsdp_modules(model[0])]}
+            "inner": [names[id(m)] for m in api.FSDP.fsdp_modules(model[0])],
+            "flat": [None if m._flat_param is None else m._flat_param.detach().clone()
+                     for m in api.FSDP.fsdp_modules(model)]}
 
 
 def case_apply(api):

@@ -105,8 +105,20 @@ def test_indexing_a_wrapped_sequential():
     assert rs[0]["ours"]["types"] == [True, "ReLU"]
 
 
-def test_fsdp_modules():
-    rs = run("fsdp_modules")
+@pytest.mark.parametrize("orig", [False, True])
+def test_fsdp_modules(orig):
+    """The units, the root only, those under a child; each unit's ``_flat_param`` (its local shard; with
+    use_orig_params torch fills alignment gaps with 42 and we with 0, so only False compares it)."""
+    if orig:
+        rs = spawn(W.both, ("fsdp_modules", True), world_size=3)
+        assert len(rs) == 3
+        for r in rs:
+            keys = ("all", "roots", "inner")
+            same({k: r["ours"][k] for k in keys}, {k: r["torch"][k] for k in keys})
+            same([None if f is None else f.shape for f in r["ours"]["flat"]],
+                 [None if f is None else f.shape for f in r["torch"]["flat"]])
+        return
+    rs = run("fsdp_modules", False, world=3)
     assert rs[0]["ours"]["roots"] == [""]
 
 

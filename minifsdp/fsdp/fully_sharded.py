@@ -194,6 +194,11 @@ class FullyShardedDataParallel(Unit):
         """This unit's local 1-D shard (torch: ``_flat_param``); None if the unit owns no parameters."""
         return self._handle.flat_param if self._handle is not None else None
 
+    @property
+    def _flat_param(self) -> nn.Parameter | None:
+        """torch's name for :attr:`flat_param` (code written for torch reads ``unit._flat_param``)."""
+        return self.flat_param
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
