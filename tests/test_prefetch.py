@@ -25,7 +25,8 @@ all-gather synchronously, so its op order is its issue order.  One known differe
   unit's views in its own forward, so the post-backward comes first and prefetches.
 
 The whole sequence of collectives (all-gathers and reduce-scatters interleaved) is torch's too,
-except with BACKWARD_POST (a strict xfail, see ``REDUCE_BEFORE_PREFETCH``).
+BACKWARD_POST included: a unit's post-backward frees its parameters and issues the next unit's
+all-gather before its own reduce-scatter, as torch's ``_post_backward_hook``.
 """
 
 import math
@@ -96,16 +97,7 @@ def test_all_gather_order_is_torch_fsdp1s(runs, key):
             assert ours["issued"] == theirs["issued"]
 
 
-REDUCE_BEFORE_PREFETCH = (
-    "ours starts a unit's reduce-scatter before its BACKWARD_POST prefetch (backward.post_backward: start_reduce, "
-    "reshard, then prefetch); torch FSDP1's _post_backward_hook calls _post_backward_reshard (reshard, prefetch) "
-    "before _reduce_grad, so it issues the next unit's all-gather first")
-COLLECTIVE_KEYS = [pytest.param(k, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                                           reason=REDUCE_BEFORE_PREFETCH))
-                   if k[1] in ("post", "fwd+post,nolimit") else k for k in KEYS]
-
-
-@pytest.mark.parametrize("key", COLLECTIVE_KEYS)
+@pytest.mark.parametrize("key", KEYS)
 def test_collective_order_is_torch_fsdp1s(runs, key):
     """Oracle: torch FSDP1's c10d ops, recorded in the same run: all-gathers by unit, reduce-scatters by size."""
     for res in runs:

@@ -3,7 +3,7 @@
     pre_backward            autograd reached one of the unit's outputs: gather its parameters again
                             (the root also queues the final callback, once per backward)
     post_backward           autograd summed the unit's full gradient (a hook on its leaf):
-                            start the reduction, free the parameters
+                            free the parameters, prefetch (BACKWARD_POST), start the reduction
     post_backward_reshard   a *frozen* unit (no gradient, so no such hook): autograd has computed
                             the gradients of its inputs, so it is past the unit: free the parameters
     final_callback          the end of the whole backward (the root's): finish every reduction,
@@ -74,25 +74,28 @@ def pre_backward(unit, grad):
 
 
 def post_backward(unit) -> None:
-    """Autograd has summed ``unit``'s full gradient: start its reduction, free its parameters."""
+    """Autograd has summed ``unit``'s full gradient: free its parameters, prefetch, start its reduction."""
     h, step = unit._handle, unit._root._root_step
     unit.training_state = TrainingState.POST_BACKWARD
     if unit._tracer is not None:
         unit._tracer.close("backward", h.name)
     if h.use_orig_params:
         h.use_sharded_views()
-    if not unit._sync_gradients:
-        h.expose_unsharded_grad()  # where zero_grad() can reach it, as in torch
-    else:
-        # At most one reduction in flight: finish the previous unit's (it had this unit's whole
-        # backward to complete) so its full gradient is freed now, not at the end of the backward.
-        for other in step.units:
-            if other is not unit and other._handle is not None and other._handle.pending:
-                other._handle.finish_reduce()
-        h.start_reduce()
+    # torch's order (_post_backward_hook): _post_backward_reshard (free the parameters, then the
+    # BACKWARD_POST prefetch) before _reduce_grad, so the next unit's all-gather is issued first.
+    # Freeing the parameters leaves the full gradient (a tensor of its own) in place.
     if frees_in_backward(unit):
         h.reshard()
     _prefetch_after(unit)
+    if not unit._sync_gradients:
+        h.expose_unsharded_grad()  # where zero_grad() can reach it, as in torch
+        return
+    # At most one reduction in flight: finish the previous unit's (it had this unit's whole
+    # backward to complete) so its full gradient is freed now, not at the end of the backward.
+    for other in step.units:
+        if other is not unit and other._handle is not None and other._handle.pending:
+            other._handle.finish_reduce()
+    h.start_reduce()
 
 
 def register_reshard_only_hook(unit, args, kwargs) -> None:
