@@ -79,10 +79,20 @@ def default_backend(device: str = "cpu") -> str:
     return "gloo"
 
 
+def uses_nccl(backend: str) -> bool:
+    """Whether ``backend`` puts NCCL in the group, so each rank must pick its GPU before joining.
+
+    True for "nccl" and for a mixed "device:backend" string that names it
+    ("cpu:gloo,cuda:nccl"); False for "gloo".  Case-insensitive, as torch's names.
+    """
+    parts = (part.rsplit(":", 1)[-1].strip() for part in str(backend).lower().split(","))
+    return "nccl" in parts
+
+
 def _check_world_size(world_size: int, backend: str) -> None:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}; pass e.g. world_size=2.")
-    if backend == "nccl" and world_size > torch.cuda.device_count():
+    if uses_nccl(backend) and world_size > torch.cuda.device_count():
         raise ValueError(
             f"world_size={world_size} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
             "NCCL needs one GPU per rank: lower world_size or use backend='gloo'."
@@ -96,7 +106,7 @@ def _rank_main(rank, world_size, backend, host, port, timeout_s, fn, args, resul
             torch.set_num_threads(threads)
         os.environ.setdefault("MASTER_ADDR", host)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        if backend == "nccl":
+        if uses_nccl(backend):
             torch.cuda.set_device(rank)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
@@ -141,7 +151,8 @@ def spawn(
             process group exists, so it may call ``torch.distributed`` directly.
         args: positional arguments, pickled to every rank.
         world_size: number of ranks (>= 1).
-        backend: "gloo" (default on CPU) or "nccl" (one GPU per rank).
+        backend: "gloo" (default on CPU), "nccl" (one GPU per rank), or a mixed
+            "cpu:gloo,cuda:nccl" (one GPU per rank too).
         timeout_s: collective timeout inside the ranks, and the parent's limit
             on the whole run; a stuck rank becomes an error, never a hang.
         threads_per_rank: torch intra-op threads per rank (1 keeps N ranks from
@@ -251,7 +262,7 @@ def _raise_root_cause(procs, results, values, errors) -> None:
 def _run_under_torchrun(fn, args, backend, timeout_s):
     """One rank of a torchrun job: join the group, run, gather every rank's result."""
     if not dist.is_initialized():
-        if backend == "nccl":
+        if uses_nccl(backend):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group_for_this_attempt(backend, timeout_s)
     value = fn(*args)

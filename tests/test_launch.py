@@ -1,10 +1,13 @@
 """minifsdp.spawn: results in rank order, failures named, nothing hangs."""
 
+import queue
 import time
 
 import pytest
+import torch
 
 import minifsdp
+from minifsdp import launch
 from minifsdp.launch import RankFailedError
 from tests import _workers_launch as w
 
@@ -53,3 +56,51 @@ def test_tensor_results_survive_the_rank_exiting():
 
     out = minifsdp.spawn(w.return_a_tensor, world_size=2)
     assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3] and all(isinstance(t, torch.Tensor) for t in out)
+
+
+# --- which backends make a rank pick its GPU (no GPU needed) -------------------------------------
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("nccl", True), ("NCCL", True), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl,cpu:gloo", True),
+    ("cuda:nccl", True), (" cpu:gloo , cuda:NCCL ", True),
+    ("gloo", False), ("cpu:gloo", False), ("GLOO", False), ("mpi", False)])
+def test_uses_nccl(backend, expected):
+    assert launch.uses_nccl(backend) is expected
+
+
+@pytest.fixture
+def set_device_calls(monkeypatch):
+    """Record torch.cuda.set_device and make joining a group a no-op: the launcher's choice, in-process."""
+    calls = []
+    monkeypatch.setattr(launch.torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(launch.dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(launch.dist, "TCPStore", lambda *a, **k: None)
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(launch, "init_process_group_for_this_attempt", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "_gather_through_store", lambda value, timeout_s: [value])
+    monkeypatch.setattr(launch, "teardown", lambda: None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    return calls
+
+
+@pytest.mark.parametrize("backend, expected", [("nccl", [1]), ("cpu:gloo,cuda:nccl", [1]), ("gloo", [])])
+def test_a_spawned_rank_sets_its_gpu_for_any_backend_with_nccl(set_device_calls, backend, expected):
+    """spawn's rank body (_rank_main) for rank 1: set_device(1) before joining, on a mixed group too."""
+    results = queue.Queue()
+    launch._rank_main(1, 2, backend, "127.0.0.1", 0, 10.0, int, (), results, None)
+    assert results.get_nowait()[:2] == ("ok", 1)
+    assert set_device_calls == expected
+
+
+@pytest.mark.parametrize("backend, expected", [("nccl", [1]), ("cpu:gloo,cuda:nccl", [1]), ("gloo", [])])
+def test_a_torchrun_rank_sets_its_gpu_for_any_backend_with_nccl(set_device_calls, backend, expected):
+    """Under torchrun: set_device(LOCAL_RANK) before joining, on a mixed group too."""
+    assert launch._run_under_torchrun(int, (), backend, 10.0) == [0]
+    assert set_device_calls == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the refusal with fewer than 2 GPUs")
+def test_a_mixed_group_needs_a_gpu_per_rank_too():
+    with pytest.raises(ValueError, match="NCCL needs one GPU per rank"):
+        launch._check_world_size(2, "cpu:gloo,cuda:nccl")
