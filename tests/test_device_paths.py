@@ -16,13 +16,17 @@ autocast state runs in fp32, and the backward fails ("expected m1 and m2 to have
 the same dtype"): that is what these tests caught before the fix.
 """
 
+import warnings
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint as torch_cp
 
 import minifsdp
 from minifsdp.ddp.distributed import backend_devices, check_backend_supports, collective_device
+from minifsdp.fsdp import full_params, reference_ops
 from minifsdp.fsdp.activation_checkpointing import _autocast_state, _input_devices, checkpoint
 from minifsdp.models import TinyGPT
 from tests import _workers_device as W
@@ -89,6 +93,78 @@ def test_grad_scaler_flag_agrees_with_a_rank_without_gradients(ranks):
     assert all(d == "cpu" for _, d, *_ in r0)
     assert [s for *_, s in r0] == [4.0, 2.0, 2.0]
     assert [st for _, _, st, _ in r1] == [True, False, True]
+
+
+# --- the gradient norm's all-reduce: on the collective's device, on a rank without gradients too -----
+# A CPU zero (``torch.tensor(0.0)``) was all-reduced when a rank had no gradients: NCCL refuses it.
+# With no GPU here, a "meta" tensor stands in for the device that ``collective_device`` answers
+# for a plain "nccl" group: the all-reduce must see that device, never the CPU.
+
+
+@pytest.fixture
+def nccl_on_meta(monkeypatch):
+    """collective_device answers "meta" for "nccl"; every all-reduce's tensor device is recorded."""
+    seen = []
+
+    def fake_device(group=None, like=None):
+        assert group == "nccl"
+        return torch.device("meta")
+
+    monkeypatch.setattr(reference_ops, "collective_device", fake_device)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: seen.append(t.device))
+    return seen
+
+
+def test_reference_clip_without_shards_all_reduces_on_the_collective_device(nccl_on_meta):
+    """Exercise 2.1c's reference (reference_ops.clip_grad_norm_sharded_) on a rank with no shards."""
+    total = reference_ops.clip_grad_norm_sharded_([], 1.0, group="nccl")
+    assert nccl_on_meta == [torch.device("meta")]
+    assert total.device.type == "meta"
+
+
+@pytest.mark.parametrize("grads", ([], [torch.ones(3), torch.full((2, 2), 2.0)]))
+def test_local_grad_norm_lands_on_the_given_device(grads):
+    """full_params._grad_norm: the local norm is made on (or moved to) the all-reduce's device."""
+    assert full_params._grad_norm(grads, 2.0, torch.device("meta")).device.type == "meta"
+    cpu = full_params._grad_norm(grads, 2.0, torch.device("cpu"))
+    expected = torch.tensor(float(sum(g.pow(2).sum() for g in grads)) ** 0.5)  # 0 without gradients
+    assert cpu.dtype == torch.float32 and torch.equal(cpu, expected)
+
+
+def clip_norm_worker() -> dict:
+    """FSDP.clip_grad_norm_ on 2 gloo ranks, without gradients, then with: which device was chosen and used."""
+    asked, seen = [], []
+    real_device, real_all_reduce = full_params.collective_device, dist.all_reduce
+
+    def recording_device(group=None, like=None):
+        d = real_device(group, like)
+        asked.append((group is model.groups.shard, like is model._handle.flat_param, str(d)))
+        return d
+
+    def recording_all_reduce(t, *a, **k):
+        seen.append(str(t.device))
+        return real_all_reduce(t, *a, **k)
+
+    torch.manual_seed(0)
+    model = minifsdp.FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3)))
+    full_params.collective_device, dist.all_reduce = recording_device, recording_all_reduce
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no gradients": torch's warning, tested elsewhere
+        out["empty"] = (model.clip_grad_norm_(1.0).item(), list(asked), list(seen))
+    asked.clear(), seen.clear()
+    model(torch.full((2, 4), float(dist.get_rank() + 1))).sum().backward()
+    out["grads"] = (model.clip_grad_norm_(1.0).item(), list(asked), list(seen))
+    full_params.collective_device, dist.all_reduce = real_device, real_all_reduce
+    return out
+
+
+def test_fsdp_clip_grad_norm_all_reduces_where_collective_device_says():
+    """Both ranks, with and without gradients: asked about the shard group and the flat parameter, used."""
+    for res in minifsdp.spawn(clip_norm_worker, world_size=2, timeout_s=120):
+        assert res["empty"] == (0.0, [(True, True, "cpu")], ["cpu"])
+        norm, asked, seen = res["grads"]
+        assert norm > 0 and asked == [(True, True, "cpu")] and seen == ["cpu"]
 
 
 # --- part 2: activation checkpointing replays RNG and autocast ---------------------------------

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from minifsdp.fsdp.checks import collective_device
 from minifsdp.fsdp.root import buffer_dtype_of
 from minifsdp.fsdp.state import HandleState, TrainingState
 from minifsdp.fsdp.units import clean_name, is_unit
@@ -122,12 +123,16 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                 u.training_state = state
 
 
-def _grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """torch FSDP1's local norm: the norm of the per-tensor norms, in fp32."""
+def _grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """torch FSDP1's local norm: the norm of the per-tensor norms, in fp32, on ``device``.
+
+    ``device``: where the all-reduce needs it (``collective_device``), the same on every
+    rank, also on one with no gradients (a CPU zero on a plain "nccl" group would fail).
+    """
     if not grads:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, device=device)
     per_tensor = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(per_tensor), norm_type, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(per_tensor), norm_type, dtype=torch.float32).to(device)
 
 
 def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -150,9 +155,10 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
     if not sharded and not replicated:  # still a collective below: every rank takes part
         warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank()} with no gradients -- returning "
                       f"the total norm in the default dtype {torch.get_default_dtype()}", stacklevel=3)
-    local = _grad_norm(sharded, norm_type)
-    local_rep = _grad_norm(replicated, norm_type) if replicated else None
     group = root.groups.shard
+    device = collective_device(group, like=units[0]._handle.flat_param)
+    local = _grad_norm(sharded, norm_type, device)
+    local_rep = _grad_norm(replicated, norm_type, device) if replicated else None
     if norm_type == math.inf:
         total = torch.maximum(local, local_rep) if local_rep is not None else local
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
@@ -162,6 +168,7 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
         if local_rep is not None:  # the same on every rank: count it once
             total += local_rep**norm_type
         total = total ** (1.0 / norm_type)
+    total = total.to(units[0]._handle.flat_param.device)  # where torch returns it: the module's device
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in sharded + replicated:
         g.mul_(clip_coef.to(g.device, g.dtype))

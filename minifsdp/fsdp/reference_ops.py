@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minifsdp.comm.collectives import get_collectives
+from minifsdp.ddp.distributed import collective_device
 from minifsdp.fsdp.flat_param import padded_size, shard
 from minifsdp.fsdp.sharding import finish_reduced_shard, predivide_factor, prepare_for_reduce_scatter
 
@@ -88,12 +89,15 @@ def clip_grad_norm_sharded_(grad_shards: list[torch.Tensor], max_norm: float, gr
     shards, one all-reduce adds the ranks' sums, the square root is taken on every rank.
     Computed as torch FSDP1 does (per-tensor norms in fp32, then their norm).
     """
+    # The all-reduced number lives where the group's backend moves it (CPU on gloo, the GPU on a
+    # plain "nccl" group), on a rank without shards too: a CPU zero would fail on NCCL.
+    device = collective_device(group, like=grad_shards[0] if grad_shards else None)
     if grad_shards:
         per_tensor = torch.stack([torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32)
                                   for g in grad_shards])
-        local = torch.linalg.vector_norm(per_tensor, 2.0, dtype=torch.float32)
+        local = torch.linalg.vector_norm(per_tensor, 2.0, dtype=torch.float32).to(device)
     else:
-        local = torch.tensor(0.0)
+        local = torch.tensor(0.0, device=device)
     total_sq = local**2
     dist.all_reduce(total_sq, group=group)
     total = total_sq.sqrt()
