@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -180,9 +181,18 @@ class FullyShardedDataParallel(Unit):
         self._sync_gradients = True  # False inside no_sync()
         self._tracer = None  # a tools.tracing.Tracer while one is attached
         self._reshard_only_hook = None  # a frozen unit's post-backward, on its inputs (this iteration's)
-        if self._handle is not None and self._handle.unsharded.requires_grad:
-            self._handle.unsharded.register_post_accumulate_grad_hook(lambda _leaf: post_backward(self))
+        self._post_backward_hook = None  # on the handle's gradient leaf, once it requires grad
+        self._register_post_backward_hook()
         install_optimizer_check()
+
+    def _register_post_backward_hook(self) -> None:
+        h = self._handle
+        if h is not None and h.unsharded.requires_grad and self._post_backward_hook is None:
+            # A weak reference: a hook lives in the tensor's C++ side, where Python's garbage collector
+            # cannot see it, so a hook holding the unit would keep every dropped model alive (torch FSDP1's does)
+            unit = weakref.ref(self)
+            self._post_backward_hook = h.unsharded.register_post_accumulate_grad_hook(
+                lambda _leaf: post_backward(unit()))
 
     # ------------------------------------------------------------------ what users see
     @property
@@ -299,6 +309,7 @@ class FullyShardedDataParallel(Unit):
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         if h is not None and not h.unsharded.requires_grad:
             register_reshard_only_hook(self, args, kwargs)  # backward.py
+        self._register_post_backward_hook()  # a unit unfrozen after wrapping (use_orig_params)
         awaiting = self.training_state is TrainingState.AWAITING_BACKWARD  # called twice in one step
         self.training_state = TrainingState.FORWARD
         if h is not None:
@@ -330,6 +341,9 @@ class FullyShardedDataParallel(Unit):
 
     def _root_pre_forward(self) -> None:
         step = self._root_step
+        for unit in step.units:  # use_orig_params: requires_grad set on an original after wrapping
+            if unit._handle is not None:
+                unit._handle.refresh_requires_grad()
         if step.versions_at_forward is not None and torch.is_grad_enabled():
             check_versions(step)
         elif step.versions_at_forward is None:

@@ -224,6 +224,21 @@ class FlatParamHandle(GradientReduction):
         """The full buffer is there, but the shard changed since it was gathered (an optimizer step since)."""
         return self.frees and self.state is not HandleState.SHARDED and self.gathered_from != self.shard_version()
 
+    def refresh_requires_grad(self) -> None:
+        """``use_orig_params``: the flat parameter requires grad while one of its originals does.
+
+        Read at every root forward, as torch's ``_reset_flat_param_grad_info_if_needed``,
+        so that ``p.requires_grad_(False)`` *after* wrapping freezes ``p``: its view is
+        detached, its ``.grad`` stays None and the optimizer skips it; a unit whose
+        originals are all frozen stops computing a gradient (``backward.py``'s frozen path).
+        """
+        if not self.use_orig_params:
+            return
+        rg = any(s.param.requires_grad for s in self.layout.slots)
+        for t in (self.flat_param, self.unsharded):
+            if t.requires_grad != rg:
+                t.requires_grad_(rg)
+
     def reshard(self) -> None:
         """Free the full buffer (sharded strategies, or NO_SHARD's low-precision copy)."""
         self.wait_unshard()  # never free a buffer an all-gather is still writing
@@ -239,7 +254,7 @@ class FlatParamHandle(GradientReduction):
         """
         views = unflatten(self.unsharded, self.layout)
         for slot, v in zip(self.layout.slots, views):
-            if self.use_orig_params and not slot.requires_grad:
+            if self.use_orig_params and not slot.param.requires_grad:  # frozen now (maybe after wrapping)
                 v = v.detach()
             set_tensor_attr(slot.module, slot.name, v)
         for sh in self.layout.shared:
@@ -291,7 +306,7 @@ class FlatParamHandle(GradientReduction):
             full = torch.empty(self.layout.padded_numel, dtype=local.dtype, device=local.device)
             self.comm.all_gather(full, local, self.groups.shard).wait()
         for slot, v in zip(self.layout.slots, unflatten(full[: self.layout.numel], self.layout)):
-            slot.param.grad = v if slot.requires_grad else None
+            slot.param.grad = v if slot.param.requires_grad else None
         return before
 
     def restore_grads(self, before: list) -> None:

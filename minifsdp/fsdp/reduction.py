@@ -64,7 +64,7 @@ class GradientReduction:
         if self.grad_exposed:
             self.grad_exposed = False
             if self.use_orig_params:
-                discarded = all(s.param.grad is None for s in self.layout.slots if s.requires_grad)
+                discarded = all(s.param.grad is None for s in self.layout.slots if s.param.requires_grad)
             else:
                 discarded = self.flat_param.grad is not self.unsharded.grad
             if discarded:
@@ -112,7 +112,7 @@ class GradientReduction:
                 return  # NO_SHARD without use_orig_params: it already is flat_param.grad
         if self.use_orig_params:
             for slot, v in zip(self.layout.slots, unflatten(g, self.layout)):
-                if slot.requires_grad:
+                if slot.param.requires_grad:  # now: a parameter frozen after wrapping gets none
                     set_grad(slot.param, v)
         else:
             set_grad(self.flat_param, g)  # flat_param.grad was None or set aside (prepare_gradient)
@@ -170,8 +170,9 @@ class GradientReduction:
         self.pending.clear()
         if self.use_orig_params and self.flat_param.grad is not None:
             for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
-                if slot.requires_grad:  # as torch: no gradient where this rank holds none of the parameter
-                    if hi > lo:
-                        set_grad(slot.param, self.flat_param.grad[lo:hi].view(slot.param.shape))
-                    else:
-                        slot.param.grad = None
+                # as torch: no gradient where this rank holds none of the parameter, nor for one
+                # frozen now (``p.requires_grad_(False)`` after wrapping: the optimizer skips it)
+                if slot.param.requires_grad and hi > lo:
+                    set_grad(slot.param, self.flat_param.grad[lo:hi].view(slot.param.shape))
+                else:
+                    slot.param.grad = None
