@@ -2,8 +2,9 @@
 
 Process start-up (spawn, import torch) costs seconds on a laptop, a case costs milliseconds, so the
 cases a pytest session selected from one module run in one spawned batch (:func:`run_batch`).  If
-the batch dies (a rank crashed or hung), each of its cases reruns alone, torch's side and ours in
-separate spawns, so one crash costs one case, and says which side died.
+the batch dies (a rank crashed or hung), the ranks' progress logs say which cases finished and which
+side of which case was running: that case gets the death as its result, and the rest run on in a
+new batch, so one crash costs one case and says which side died.
 
 :func:`check` turns a case's result into pytest's outcome: torch FSDP1 failed on CPU -> skip (not
 counted), ours failed -> fail (xfail where the module marks the gap), both passed -> pass.
@@ -11,7 +12,10 @@ counted), ours failed -> fail (xfail where the module marks the gap), both passe
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import tempfile
 
 import pytest
 
@@ -55,19 +59,56 @@ def _merge(per_rank: list[dict], ids: list[str]) -> dict:
     return out
 
 
-def _spawn(module: str, ids: list[str], world: int, sides=("torch", "ours"), timeout: float = 120.0) -> dict:
-    return _merge(spawn(W.run_batch, (module, ids, sides), world_size=world, timeout_s=timeout), ids)
-
-
-def _alone(module: str, cid: str, world: int) -> dict:
-    res = {}
-    for side in ("torch", "ours"):
+def _read_logs(log: str, world: int) -> list[list[dict]]:
+    out = []
+    for r in range(world):
         try:
-            res.update(_spawn(module, [cid], world, (side,), timeout=90.0)[cid])
-        except RankFailedError as e:
-            lines = [ln for ln in e.detail.strip().splitlines() if ln.strip()]
-            res[side] = f"rank {e.rank} died: {lines[-1] if lines else '?'}"[:300]
-    return res
+            with open(f"{log}.{r}") as f:
+                out.append([json.loads(line) for line in f if line.strip()])
+        except (OSError, ValueError):
+            out.append([])
+    return out
+
+
+def _run(module: str, ids: list[str], world: int) -> dict:
+    """Run ``ids`` in batches; when a batch dies, keep what finished, blame the side that was running, go on."""
+    out: dict = {}
+    todo = list(ids)
+    with tempfile.TemporaryDirectory() as tmp:
+        attempt = 0
+        while todo:
+            attempt += 1
+            log = os.path.join(tmp, f"log{attempt}")
+            try:
+                per_rank = spawn(W.run_batch, (module, todo, ("torch", "ours"), log), world_size=world,
+                                 timeout_s=90.0 + 3.0 * len(todo))
+                out.update(_merge(per_rank, todo))
+                return out
+            except RankFailedError as e:
+                logs = _read_logs(log, world)
+                done = {}
+                for entries in logs:
+                    for ent in entries:
+                        if "done" in ent:
+                            done.setdefault(ent["done"], []).append(ent["res"])
+                finished = [c for c in todo if len(done.get(c, [])) == world]
+                out.update(_merge([{c: done[c][r] for c in finished} for r in range(world)], finished))
+                starts = [ent for ent in logs[e.rank] if "start" in ent] if e.rank < len(logs) else []
+                lines = [ln for ln in e.detail.strip().splitlines() if ln.strip()]
+                why = f"rank {e.rank} died: {lines[-1] if lines else '?'}"[:300]
+                rest = [c for c in todo if c not in finished]
+                if not rest:
+                    return out
+                dead = starts[-1]["start"] if starts and starts[-1]["start"] in rest else rest[0]
+                side = starts[-1]["side"] if starts and starts[-1]["start"] == dead else "torch"
+                res = {side: why}
+                if side == "ours":  # torch's side of this case finished: its result is in the logs
+                    errs = [ent["err"] for entries in logs for ent in entries
+                            if ent.get("ended") == dead and ent["side"] == "torch"]
+                    res["torch"] = next((x for x in errs if x), None)
+                out[dead] = res
+                todo = [c for c in rest if c != dead]
+    return out
 
 
 def result(module: str, cid: str) -> dict:
@@ -76,12 +117,9 @@ def result(module: str, cid: str) -> dict:
     key = (module, world)
     if key not in _RESULTS:
         ids = [c for c in SELECTED.get(module, []) if cases[c].world == world] or [cid]
-        try:
-            _RESULTS[key] = _spawn(module, ids, world, timeout=60.0 + 15.0 * len(ids))
-        except RankFailedError:
-            _RESULTS[key] = {c: _alone(module, c, world) for c in ids}
+        _RESULTS[key] = _run(module, ids, world)
     if cid not in _RESULTS[key]:
-        _RESULTS[key][cid] = _alone(module, cid, world)
+        _RESULTS[key].update(_run(module, [cid], world))
     return _RESULTS[key][cid]
 
 

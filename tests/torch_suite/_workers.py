@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -184,19 +185,31 @@ def _run_side(case: Case, side: Side):
             return case.fn(side, **case.params)
 
 
-def run_batch(module: str, ids: list[str], sides: tuple = ("torch", "ours")) -> dict:
-    """On every rank: each case on each side; ``{id: {side: None | "Error: first line"}}``."""
+def run_batch(module: str, ids: list[str], sides: tuple = ("torch", "ours"), log: str | None = None) -> dict:
+    """On every rank: each case on each side; ``{id: {side: None | "Error: first line"}}``.
+
+    With ``log``, each rank appends a line to ``{log}.{rank}`` as it starts a side and as it finishes a
+    case, so that when a rank dies (a crash, a hang) the parent knows what finished and what killed it."""
     cases = importlib.import_module(module).CASES
+    path = f"{log}.{dist.get_rank()}" if log else None
+
+    def note(**entry):
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
     out = {}
     for cid in ids:
         case, res, values = cases[cid], {}, {}
         for name in sides:
+            note(start=cid, side=name)
             try:
                 values[name] = _run_side(case, Side(name == "ours"))
                 res[name] = None
             except Exception as e:  # noqa: BLE001 - the error is the result
                 res[name] = _first_line(e)
                 res[name + "_tb"] = traceback.format_exc()[-3000:]
+            note(ended=cid, side=name, err=res[name])
             dist.barrier()
         if case.vs_torch and res.get("ours") is None and res.get("torch") is None and "torch" in values:
             try:
@@ -205,4 +218,5 @@ def run_batch(module: str, ids: list[str], sides: tuple = ("torch", "ours")) -> 
             except Exception as e:  # noqa: BLE001
                 res["ours"] = "vs torch FSDP1: " + _first_line(e)
         out[cid] = res
+        note(done=cid, res=res)
     return out
