@@ -52,3 +52,44 @@ def case_freeze_after_wrap(api):
         opt.zero_grad()
     out["full"] = full_params(api, model)
     return out
+
+
+# ---------------------------------------------------------------- model.half() / .to(dtype) / .double()
+def _convert(model, how: str) -> torch.dtype:
+    if how == "half":
+        model.half()
+    elif how == "to_float16":
+        model.to(torch.float16)
+    else:
+        model.double()
+    return torch.float64 if how == "double" else torch.float16
+
+
+def case_convert(api, orig: bool, how: str, before_first_forward: bool):
+    """Convert the wrapped model's dtype.  Before its first forward: it then trains in that dtype (torch
+    allocates its gather buffers at that forward).  After: torch's forward raises a ValueError."""
+    model = api.wrap(mlp(), use_orig_params=orig)
+    rank = dist.get_rank()
+    if not before_first_forward:
+        x, y = batch(0, rank)
+        F.mse_loss(model(x), y).backward()
+    dtype = _convert(model, how)
+    out = {"params": [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]}
+    if not before_first_forward:
+        x, y = batch(1, rank)
+        err = error_line(lambda: model(x.to(dtype)))
+        out["error"] = err[0]
+        out["names_fix"] = api.ours and "before its first forward" in err[1]
+        return out
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out["losses"], out["grads"] = [], []
+    for step in range(2):
+        x, y = batch(step, rank)
+        loss = F.mse_loss(model(x.to(dtype)), y.to(dtype))
+        loss.backward()
+        out["losses"].append(loss.detach().clone())
+        out["grads"].append(_grads(model))
+        opt.step()
+        opt.zero_grad()
+    out["full"] = full_params(api, model)
+    return out

@@ -6,6 +6,7 @@ why not.  Comparisons check keys, lengths, dtypes and shapes first (``tests/test
 ``same``).  2 ranks (Linear(5, 13)'s weight and bias already straddle the shards there).
 """
 
+import pytest
 import torch
 
 from minifsdp import spawn
@@ -30,3 +31,26 @@ def test_freezing_after_wrapping_as_torch():
     assert grads["_fsdp_wrapped_module.4.weight"] is None
     assert dict(rs[0]["ours"]["grads"][2])["_fsdp_wrapped_module.2._fsdp_wrapped_module.weight"] is not None
     assert isinstance(rs[0]["ours"]["full"][0][1], torch.Tensor)
+
+
+@pytest.mark.parametrize("orig", [False, True])
+@pytest.mark.parametrize("how", ["half", "to_float16", "double"])
+def test_dtype_conversion_before_the_first_forward_trains_as_torch(orig, how):
+    """``model.half()`` (``.to(torch.float16)``, ``.double()``) after wrapping, before the first forward:
+    the flat parameters are converted and the step runs in that dtype, bitwise torch's."""
+    rs = run("convert", orig, how, True)
+    want = torch.float64 if how == "double" else torch.float16
+    assert {d for _, d, _ in rs[0]["ours"]["params"]} == {want}
+    assert rs[0]["ours"]["losses"][0].dtype == want
+
+
+@pytest.mark.parametrize("orig", [False, True])
+def test_dtype_conversion_after_the_first_forward_raises_as_torch(orig):
+    """After the first forward torch FSDP1 refuses at the all-gather (ValueError, its gather buffer keeps
+    the old dtype); ours raises the same type, naming the fix."""
+    rs = spawn(W.both, ("convert", orig, "half", False), world_size=2)
+    assert len(rs) == 2
+    for r in rs:
+        same(r["ours"]["params"], r["torch"]["params"])
+        assert r["torch"]["error"] == r["ours"]["error"] == "ValueError"
+        assert r["ours"]["names_fix"]

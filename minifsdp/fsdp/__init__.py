@@ -8,6 +8,7 @@ Read in this order (each module imports only those above it):
     sharding.py         ch 2.1: strategies, process groups, the gradient divide factors, FSDP's collectives
     mixed_precision.py  ch 4.1: MixedPrecision (the dtypes a handle gathers and reduces in), ShardedGradScaler
     reduction.py        a unit's gradient: reduce-scatter / all-reduce, divide, cast, accumulate
+    dtype_change.py     model.half() / .to(dtype) after wrapping: which tensors convert, when buffers follow
     handle.py           one unit's tensors and collectives: gather, free (its gradient: reduction.py)
     prefetch.py         ch 2.5: which unit's all-gather to start early, and the rate limit
     events.py           what a unit reports to an attached tracer (``tools/tracing.py`` records it)

@@ -61,6 +61,7 @@ from minifsdp.fsdp.checks import (
     check_same_on_all_ranks,
     install_optimizer_check,
 )
+from minifsdp.fsdp.dtype_change import adopt_dtype, flat_param_registered
 from minifsdp.fsdp.events import span
 from minifsdp.fsdp.handle import FlatParamHandle
 from minifsdp.fsdp.mixed_precision import MixedPrecision, cast_floating
@@ -272,6 +273,18 @@ class FullyShardedDataParallel(Unit):
     def _init_root(self) -> None:
         self._root_step = init_root(self)  # root.py
         opts.check_homogeneous(self._root_step.units)  # torch_options.py
+        for unit in self._root_step.units:  # torch's lazy init: the dtypes are fixed from now on
+            if unit._handle is not None:
+                adopt_dtype(unit._handle)
+                unit._handle.dtype_fixed = True
+
+    def _apply(self, fn, *args, **kwargs):
+        """``model.half()``, ``.to(dtype)``, ``.double()``: convert the flat parameters (``dtype_change.py``)."""
+        h = self.__dict__.get("_handle")
+        if h is None or not h.use_orig_params:
+            return super()._apply(fn, *args, **kwargs)
+        with flat_param_registered(h, self._fsdp_wrapped_module):
+            return super()._apply(fn, *args, **kwargs)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The state dict of the type set by ``FSDP.state_dict_type`` (torch's default: FULL, every rank)."""

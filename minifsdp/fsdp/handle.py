@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from minifsdp.fsdp.dtype_change import adopt_dtype, check_dtype
 from minifsdp.fsdp.events import span
 from minifsdp.fsdp.flat_param import build_layout, flatten, shard, unflatten
 from minifsdp.fsdp.mixed_precision import MixedPrecision
@@ -95,7 +96,9 @@ class FlatParamHandle(GradientReduction):
                 "has one requires_grad. Pass use_orig_params=True, or wrap the frozen part in its own unit."
             )
         # Mixed precision (mixed_precision.py): compute in param_dtype, reduce in reduce_dtype.
-        self.orig_dtype = params[0].dtype
+        self.mixed_precision = mixed_precision
+        self.orig_dtype = params[0].dtype  # may change until the root's first forward (dtype_change.py)
+        self.dtype_fixed = False
         self.param_dtype, self.reduce_dtype = (mixed_precision.dtypes_for(self.orig_dtype) if mixed_precision
                                                else (self.orig_dtype, self.orig_dtype))
         self.uses_param_mp = self.param_dtype != self.orig_dtype
@@ -166,6 +169,10 @@ class FlatParamHandle(GradientReduction):
 
     def start_unshard(self, prefetch: bool = False) -> None:
         """Issue the all-gather (async); with mixed precision, of the shard cast to ``param_dtype``."""
+        if self.dtype_fixed and self.frees:
+            check_dtype(self)  # model.half() after the first forward: torch's error
+        else:
+            adopt_dtype(self)  # model.half() before it: gather (and compute) in the new dtype
         if self.stale():
             self.reshard()  # kept since its gather, but an optimizer step changed the shard since: gather again
         if self.state is not HandleState.SHARDED:
