@@ -6,7 +6,8 @@ Read in this order (each module imports only those above it):
     state.py            a unit's and a handle's state, as enums (what each holds in memory)
     flat_param.py       ch 2.1: flatten, pad, shard, unflatten views
     sharding.py         ch 2.1: strategies, process groups, the gradient divide factors, FSDP's collectives
-    mixed_precision.py  ch 4.1: MixedPrecision (the dtypes a handle gathers and reduces in), ShardedGradScaler
+    grad_scaler.py      ch 4.1: ShardedGradScaler, torch's GradScaler API for sharded fp16 gradients
+    mixed_precision.py  ch 4.1: MixedPrecision (the dtypes a handle gathers and reduces in)
     reduction.py        a unit's gradient: reduce-scatter / all-reduce, divide, cast, accumulate
     dtype_change.py     model.half() / .to(dtype) after wrapping: which tensors convert, when buffers follow
     handle.py           one unit's tensors and collectives: gather, free (its gradient: reduction.py)

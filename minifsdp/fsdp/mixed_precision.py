@@ -26,9 +26,9 @@ at every use.  FSDP's ``MixedPrecision`` casts the *parameters* once per
 all-gather, so every op of the unit runs in ``param_dtype``, layer norms
 included.  The two compose (autocast inside an FSDP model) but differ.
 
-:class:`ShardedGradScaler` is fp16's loss scaling for sharded gradients: each
-rank sees only its shard, so "did any gradient overflow?" needs one all-reduce
-of a flag, and then every rank skips (or takes) the step together.
+:class:`ShardedGradScaler` (``grad_scaler.py``, re-exported here) is fp16's loss scaling for
+sharded gradients: each rank sees only its shard, so "did any gradient overflow?" needs one
+all-reduce of a flag, and then every rank skips (or takes) the step together.
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from minifsdp.fsdp.checks import collective_device
 from minifsdp.fsdp.flat_param import padded_size
+from minifsdp.fsdp.grad_scaler import ShardedGradScaler  # its own module; re-exported here as before
 from minifsdp.fsdp.sharding import finish_reduced_shard, predivide_factor, prepare_for_reduce_scatter
 
 __all__ = ["MixedPrecision", "ShardedGradScaler", "cast_floating", "reduce_gradient_shard"]
@@ -111,89 +110,3 @@ def reduce_gradient_shard(rank_grads: list[torch.Tensor], rank: int, reduce_dtyp
         total = g if total is None else total + g
     shard = total[rank * (padded // n): (rank + 1) * (padded // n)].clone()
     return finish_reduced_shard(shard, n / f, param_dtype)
-
-
-class ShardedGradScaler:
-    """Loss scaling for fp16 when each rank holds only a shard of the gradients.
-
-        scaler = ShardedGradScaler()
-        scaler.scale(loss).backward()     # loss * S: small fp16 gradients no longer flush to zero
-        scaler.step(opt)                  # unscale (x 1/S); skip the step if ANY rank saw inf/nan
-        scaler.update()                   # S * 0.5 after a skip, S * 2 after growth_interval good steps
-
-    The numbers follow ``torch.amp.GradScaler`` (the scale is an fp32 scalar,
-    ``1/S`` is computed in float64 and rounded to fp32) so that a run is bitwise
-    torch's ``ShardedGradScaler``'s.
-
-    Note (every rank agrees): rank 0 may see finite numbers in its shard while
-    rank 1 overflows.  The per-rank flag is all-reduced (a sum) before the
-    decision; otherwise the ranks would step different models.  A rank with no
-    gradients at all still joins the all-reduce with a 0.
-
-    Note (the flag's device): on a plain "nccl" group a CPU flag cannot be
-    all-reduced; the flag is made on ``collective_device`` (CPU on gloo or
-    "cpu:gloo,cuda:nccl", the gradients' GPU on NCCL) and read back on CPU.
-    """
-
-    def __init__(self, init_scale: float = 2.0**16, backoff_factor: float = 0.5, growth_factor: float = 2.0,
-                 growth_interval: int = 2000, enabled: bool = True, process_group=None):
-        if not 0.0 < backoff_factor < 1.0 or growth_factor <= 1.0:
-            raise ValueError("need 0 < backoff_factor < 1 < growth_factor")
-        self.scale_t = torch.full((), float(init_scale), dtype=torch.float32)
-        self.backoff_factor, self.growth_factor, self.growth_interval = backoff_factor, growth_factor, growth_interval
-        self.enabled = enabled
-        self.process_group = process_group
-        self._good_steps = 0
-        self._found_inf: torch.Tensor | None = None  # set by unscale_, cleared by update
-
-    def get_scale(self) -> float:
-        return self.scale_t.item() if self.enabled else 1.0
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        if not self.enabled:
-            return loss
-        return (loss * self.scale_t).to(loss.dtype)
-
-    @torch.no_grad()
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide every gradient of ``optimizer`` by the scale; agree on "found inf" across ranks."""
-        if not self.enabled:
-            return
-        if self._found_inf is not None:
-            raise RuntimeError("unscale_() was already called since the last update(); call it once per step")
-        inv_scale = self.scale_t.double().reciprocal().float()
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        found = torch.zeros(1, dtype=torch.float32,
-                            device=collective_device(self.process_group, like=grads[0] if grads else None))
-        for g in grads:
-            if not torch.isfinite(g).all():
-                found.fill_(1.0)
-            g.mul_(inv_scale)
-        dist.all_reduce(found, group=self.process_group)  # sum of per-rank flags: > 0 if any rank overflowed
-        self._found_inf = found.cpu()  # read by step()/update() in Python
-
-    def step(self, optimizer: torch.optim.Optimizer):
-        """``optimizer.step()`` unless some rank found inf/nan; returns None when skipped."""
-        if not self.enabled:
-            return optimizer.step()
-        if self._found_inf is None:
-            self.unscale_(optimizer)
-        if self._found_inf.item() == 0:
-            return optimizer.step()
-        return None
-
-    def update(self) -> None:
-        """Back off after an overflow, grow after ``growth_interval`` clean steps (torch's rule)."""
-        if not self.enabled:
-            return
-        if self._found_inf is None:
-            raise RuntimeError("update() before step(): call scaler.step(optimizer) first")
-        if self._found_inf.item() >= 1.0:
-            self.scale_t *= self.backoff_factor
-            self._good_steps = 0
-        else:
-            self._good_steps += 1
-            if self._good_steps == self.growth_interval:
-                self.scale_t *= self.growth_factor
-                self._good_steps = 0
-        self._found_inf = None
