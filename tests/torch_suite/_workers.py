@@ -8,7 +8,7 @@ models wrap with in their ``init()``) is patched to that side's class, so torch'
 
 A case fails by raising.  A case may also return observables (tensors, numbers, nested in lists and
 dicts); when it is registered with ``vs_torch=(rtol, atol)``, ours must return what torch returned,
-within that tolerance (``torch.testing.assert_close``, dtypes included).
+within that tolerance (:func:`same`: tensors by ``assert_close``, dtypes included; the rest by ``==``).
 
     parent (pytest)                          every rank
     spawn(run_batch, (module, ids)) ----->   for id in ids:  torch side, barrier, ours side, barrier
@@ -172,6 +172,32 @@ class Cases(dict):
         return cid
 
 
+def same(a, b, rtol: float = 0.0, atol: float = 0.0, what: str = "result") -> None:
+    """``a`` equals ``b``: dict keys in order, lengths, tensors by assert_close (dtype and shape included),
+    anything else by ``==``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert list(a) == list(b), f"{what}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            same(a[k], b[k], rtol, atol, f"{what}[{k!r}]")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, rtol, atol, f"{what}[{i}]")
+    elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+    else:
+        assert a == b, f"{what}: {a!r} vs {b!r}"
+
+
+def error_of(fn: Callable) -> str | None:
+    """The type name of what ``fn()`` raises, or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return type(e).__name__
+    return None
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
@@ -213,8 +239,7 @@ def run_batch(module: str, ids: list[str], sides: tuple = ("torch", "ours"), log
             dist.barrier()
         if case.vs_torch and res.get("ours") is None and res.get("torch") is None and "torch" in values:
             try:
-                rtol, atol = case.vs_torch
-                torch.testing.assert_close(values["ours"], values["torch"], rtol=rtol, atol=atol)
+                same(values["ours"], values["torch"], *case.vs_torch)
             except Exception as e:  # noqa: BLE001
                 res["ours"] = "vs torch FSDP1: " + _first_line(e)
         out[cid] = res
