@@ -37,6 +37,7 @@ from torch.testing._internal.common_fsdp import DEVICEInitMode, FSDPInitMode
 import minifsdp
 
 CPU = torch.device("cpu")
+DEFAULT_MODES = (FSDPInitMode.NO_FSDP, DEVICEInitMode.DEVICE_BEFORE)  # a torch test model without FSDP
 
 
 class Side:
