@@ -1,4 +1,4 @@
-"""The command line: ``python -m minifsdp compare`` and ``python -m minifsdp bench ...``."""
+"""The command line: ``python -m minifsdp compare``, ``bench ...`` and ``torch-suite``."""
 
 from __future__ import annotations
 
@@ -36,7 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--link-ms", type=float, default=0.0,
                          help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
 
+    p_ts = sub.add_parser("torch-suite", help="run the port of torch's FSDP1 tests, a table per group")
+    p_ts.add_argument("--group", default=None, help="one group (core, grad_acc, clip_grad_norm, ...); default all")
+    p_ts.add_argument("--fast", action="store_true", help="only the CI slice (cases marked fast)")
+    p_ts.add_argument("--json", default="out/torch_suite.json", help="where to write the results ('' for none)")
+
     args = parser.parse_args(argv)
+    if args.command == "torch-suite":
+        from minifsdp.tools.torch_suite import run_torch_suite
+
+        return run_torch_suite(args)
     if args.command == "compare":
         from minifsdp.tools.compare import run_compare
 

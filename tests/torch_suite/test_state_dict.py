@@ -166,7 +166,7 @@ XFAIL: dict = {
                                  "output_proj.weight unlike torch",
 }
 FAST = ("full_state_dict:model=transformer,strategy=FULL_SHARD,orig=False",
-        "round_trip:kind=sharded,strategy=FULL_SHARD,orig=True")
+        "round_trip:kind=sharded,strategy=FULL_SHARD,orig=False")
 
 
 @pytest.mark.parametrize("cid", H.params(CASES, XFAIL, FAST))

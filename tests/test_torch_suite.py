@@ -1,0 +1,58 @@
+"""The port of torch's FSDP1 tests (tests/torch_suite): its CI slice, its runner, and its command's table.
+
+The whole port runs by ``python -m minifsdp torch-suite`` (minutes; not in the default collection, see
+tests/conftest.py).  Here: the cases marked ``fast`` (one or two per group) through that very command,
+the runner on planted faults (a wrong parameter must fail parity with DDP, a crash must be blamed on
+the side that crashed and cost one case only), and the table built from a tiny JUnit report.
+"""
+
+import json
+
+from minifsdp.tools import torch_suite as T
+from tests.torch_suite import _harness as H
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.torch_suite.test_core" name="test_case[a:x=1]" time="0.1"/>
+<testcase classname="tests.torch_suite.test_core" name="test_case[b:x=2]" time="0.1">
+  <failure message="rank 0: AssertionError: loss vs DDP&#10;second line">tb</failure></testcase>
+<testcase classname="tests.torch_suite.test_core" name="test_case[c]" time="0.1">
+  <skipped type="pytest.xfail" message="a known gap" /></testcase>
+<testcase classname="tests.torch_suite.test_grad_acc" name="test_case[d]" time="0.1">
+  <skipped type="pytest.skip" message="torch FSDP1 fails on CPU: X" /></testcase>
+<testcase classname="tests.torch_suite.test_grad_acc" name="test_case[e]" time="0.1"/>
+</testsuite></testsuites>"""
+
+
+def test_table_from_a_tiny_report():
+    records = T.parse_junit(JUNIT)
+    assert [(r["group"], r["case"], r["outcome"]) for r in records] == [
+        ("core", "a:x=1", "passed"), ("core", "b:x=2", "failed"), ("core", "c", "xfailed"),
+        ("grad_acc", "d", "skipped"), ("grad_acc", "e", "passed")]
+    s = T.summarize(records)
+    assert s["groups"]["core"] == {"passed": 1, "total": 3, "torch_fails": 0, "failures": [
+        ("b:x=2", "rank 0: AssertionError: loss vs DDP"), ("c", "[xfail] a known gap")]}
+    assert s["overall"] == {"passed": 2, "total": 4, "torch_fails": 1}
+    table = T.format_table(s).splitlines()
+    assert table[1].split() == ["core", "1", "/", "3", "0"]
+    assert table[3].split() == ["overall", "2", "/", "4", "1"]
+    assert "core b:x=2: rank 0: AssertionError: loss vs DDP" in table[4]
+
+
+def test_runner_catches_planted_faults():
+    ids = ["wrong_param", "crash_ours", "fine"]
+    res = H._run("tests.torch_suite._selftest", ids, 2)
+    assert len(res) == 3
+    assert res["wrong_param"]["torch"] is None and "vs DDP" in res["wrong_param"]["ours"]
+    assert res["crash_ours"]["torch"] is None and "died" in res["crash_ours"]["ours"]
+    assert res["fine"]["torch"] is None and res["fine"]["ours"] is None
+
+
+def test_fast_slice_through_the_command(tmp_path):
+    out = tmp_path / "ts.json"
+    s = T.run(fast=True, json_path=str(out))
+    assert out.exists()
+    assert set(s["groups"]) >= {"core", "grad_acc", "clip_grad_norm", "summon_full_params", "state_dict"}
+    cases = json.loads(out.read_text())["cases"]
+    failed = [(c["group"], c["case"], c["message"]) for c in cases if c["outcome"] == "failed"]
+    assert not failed, failed
+    assert s["overall"]["total"] >= 5 and s["overall"]["passed"] >= 5
