@@ -93,3 +93,125 @@ def case_convert(api, orig: bool, how: str, before_first_forward: bool):
         opt.zero_grad()
     out["full"] = full_params(api, model)
     return out
+
+
+# ---------------------------------------------------------------- ShardedGradScaler
+def _scaler_class(api):
+    if api.ours:
+        from minifsdp import ShardedGradScaler
+        return ShardedGradScaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    return ShardedGradScaler
+
+
+def case_scaler(api, orig: bool):
+    """fp16 gradients (``keep_low_precision_grads``), two optimizers, torch's GradScaler API; an inf in
+    rank 1's gradients only at step 1 (both ranks skip, the scale backs off), growth after 2 clean steps,
+    the settings changed and read back, a state dict saved and loaded into a fresh scaler."""
+    mp = api.MixedPrecision(param_dtype=torch.float16, keep_low_precision_grads=True)
+    model = api.wrap(mlp(), use_orig_params=orig, mixed_precision=mp)
+    params = list(model.parameters())
+    opts = [torch.optim.SGD(params[:1], lr=0.1, foreach=False), torch.optim.SGD(params[1:], lr=0.1, foreach=False)]
+    scaler = _scaler_class(api)(device="cpu", init_scale=2.0**10, growth_interval=2)
+    rank, out = dist.get_rank(), {"scales": [], "stepped": [], "grads": []}
+    for step in range(6):
+        if step == 4:
+            scaler.set_growth_factor(4.0)
+            scaler.set_backoff_factor(0.25)
+            scaler.set_growth_interval(1)
+        x, y = batch(step, rank)
+        scaled = scaler.scale(F.mse_loss(model(x), y))
+        out.setdefault("scaled", []).append(scaled.detach().clone())
+        scaled.backward()
+        if step == 1 and rank == 1:
+            next(p for p in params if p.grad is not None and p.grad.numel()).grad.view(-1)[0] = float("inf")
+        if step == 3:  # torch's pattern for clipping: unscale first, then step
+            scaler.unscale_(opts[0])
+            out["twice"] = error_line(lambda: scaler.unscale_(opts[0]))
+        out["grads"].append([None if p.grad is None else (p.grad.dtype, p.grad.clone()) for p in params])
+        stepped = []
+        for opt in opts:  # each optimizer skips on its own gradients' flag (all-reduced), as torch
+            before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+            scaler.step(opt)
+            stepped.append(not all(torch.equal(b, p) for b, p in zip(before, opt.param_groups[0]["params"])))
+        out["stepped"].append(stepped)
+        out["step_twice"] = error_line(lambda: scaler.step(opts[0]))
+        scaler.update()
+        out["scales"].append(scaler.get_scale())
+        for opt in opts:
+            opt.zero_grad()
+    out["settings"] = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval(),
+                       scaler.is_enabled())
+    out["state"] = scaler.state_dict()
+    fresh = _scaler_class(api)(device="cpu")
+    fresh.load_state_dict(out["state"])
+    out["loaded"] = fresh.state_dict()
+    scaler.update(3.0)
+    out["new_scale"] = scaler.get_scale()
+    off = _scaler_class(api)(device="cpu", enabled=False)
+    out["disabled"] = (off.is_enabled(), off.get_scale(), off.state_dict(), off.scale(torch.ones(2)).tolist(),
+                       error_line(lambda: off.load_state_dict({"scale": 1.0})),
+                       error_line(lambda: fresh.load_state_dict({}))[0])
+    out["full"] = full_params(api, model)
+    return out
+
+
+# ---------------------------------------------------------------- names with use_orig_params=True
+def _named(module) -> list:
+    return [(n, tuple(p.shape), isinstance(p, torch.nn.Parameter)) for n, p in module.named_parameters()]
+
+
+def case_names(api):
+    """``named_parameters()`` with use_orig_params=True: between steps (local pieces, wrapper prefixes),
+    inside the forward of a unit (the running units' parameters in full shape, as plain tensors), inside
+    ``summon_full_params`` (clean names, full shapes, of the whole model and of one unit), after."""
+    model = api.wrap(mlp(), use_orig_params=True)
+    out = {"outside": _named(model)}
+
+    def look(_module, _args):
+        out["forward"], out["forward_inner"] = _named(model), _named(model[2].module)
+
+    model[2].module.register_forward_pre_hook(look)
+    x, y = batch(0, dist.get_rank())
+    F.mse_loss(model(x), y).backward()
+    with api.FSDP.summon_full_params(model):
+        out["summon"] = _named(model)
+    with api.FSDP.summon_full_params(model[2]):
+        out["summon_unit"] = _named(model)
+    out["after"] = _named(model)
+    return out
+
+
+# ---------------------------------------------------------------- torch's NonUniformReqGradNWM
+def case_nonuniform_req_grad(api, with_step: bool):
+    """torch's own test model (``common_fsdp.NonUniformReqGradNWM``, its module-global ``FSDP`` pointed at
+    ours or torch's while it wraps): use_orig_params=True, MixedPrecision(param_dtype=float16), everything
+    frozen after wrapping but ``module.2.1`` (which lies on rank 1 only: rank 0 has no gradient at all);
+    one forward and backward (with a ShardedGradScaler step), then the full state dict."""
+    from torch.distributed.distributed_c10d import _get_default_group
+    from torch.testing._internal import common_fsdp as cf
+
+    kw = dict(use_orig_params=True, mixed_precision=api.MixedPrecision(param_dtype=torch.float16),
+              device_id=torch.device("cpu"))
+    group, wrap_with = _get_default_group(), cf.FSDP
+    cf.FSDP = api.FSDP
+    try:
+        model = cf.NonUniformReqGradNWM.init(group, cf.FSDPInitMode.RECURSIVE, cf.DEVICEInitMode.DEVICE_NEVER,
+                                             fsdp_kwargs=kw, deterministic=True)
+    finally:
+        cf.FSDP = wrap_with
+    model = api.FSDP(model, group, **kw)
+    out = {"requires_grad": [(n, p.requires_grad) for n, p in model.named_parameters()]}
+    torch.manual_seed(1 + dist.get_rank())
+    x = torch.rand(4, 8)
+    scaler = _scaler_class(api)(device="cpu", init_scale=2.0**4) if with_step else None
+    loss = model(x).sum()
+    (scaler.scale(loss) if with_step else loss).backward()
+    out["loss"] = loss.detach().clone()
+    out["grads"] = _grads(model)
+    if with_step:
+        scaler.step(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+        scaler.update()
+        out["scale"] = scaler.get_scale()
+    out["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minifsdp import spawn
+from tests import _workers_torch_api as W1
 from tests import _workers_torch_api_more as W
 from tests.test_torch_api import same
 
@@ -20,6 +21,28 @@ def run(case, *args, world=2):
     for rank, r in enumerate(results):
         same(r["ours"], r["torch"], f"rank {rank}")
     return results
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_empty_local_pieces_have_no_grad_and_clip_as_torch_at_two_ranks(norm_type):
+    """use_orig_params=True, 2 ranks: every bias lies wholly on rank 1, so rank 0's ``.grad`` is None for it
+    (not an empty tensor), and ``clip_grad_norm_`` (inf too) returns torch's norm and clips as torch.
+    (tests/test_torch_api.py runs the same case at 3 ranks.)"""
+    rs = spawn(W1.both, ("clip_inf", norm_type), world_size=2)
+    assert len(rs) == 2
+    for rank, r in enumerate(rs):
+        same(r["ours"], r["torch"], f"rank {rank}")
+    assert [g is None for g in rs[0]["ours"]["grads"]] == [False, True] * 3
+
+
+def test_no_sync_shows_the_accumulated_unsharded_grads_at_two_ranks():
+    """Inside ``no_sync()`` (use_orig_params=True) each original's ``.grad`` is the accumulated full-shape
+    local gradient, as torch shows it; after the synced backward, the reduced local pieces."""
+    rs = spawn(W1.both, ("no_sync_grads", True), world_size=2)
+    assert len(rs) == 2
+    for rank, r in enumerate(rs):
+        same(r["ours"], r["torch"], f"rank {rank}")
+    assert [tuple(g.shape) for _, g in rs[0]["ours"]["inside1"]][:2] == [(13, 5), (13,)]
 
 
 def test_freezing_after_wrapping_as_torch():
@@ -54,3 +77,45 @@ def test_dtype_conversion_after_the_first_forward_raises_as_torch(orig):
         same(r["ours"]["params"], r["torch"]["params"])
         assert r["torch"]["error"] == r["ours"]["error"] == "ValueError"
         assert r["ours"]["names_fix"]
+
+
+def test_sharded_grad_scaler_has_torch_public_api():
+    """Every public name of torch's ShardedGradScaler (introspected) exists on ours."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
+
+    from minifsdp import ShardedGradScaler
+
+    theirs = {n for n in dir(TorchScaler) if not n.startswith("_")}
+    assert {"get_backoff_factor", "set_growth_interval", "state_dict", "unscale_"} <= theirs
+    assert theirs - set(dir(ShardedGradScaler)) == set()
+
+
+@pytest.mark.parametrize("orig", [False, True])
+def test_sharded_grad_scaler_as_torch(orig):
+    """torch's ShardedGradScaler(device="cpu") is the oracle: the scale after each step (backoff and
+    growth, changed factors), which steps are skipped, the fp16 gradients, errors, state dicts, bitwise."""
+    rs = run("scaler", orig)
+    o = rs[0]["ours"]
+    assert o["stepped"] == [[True, True], [False, True]] + [[True, True]] * 4  # the inf: opts[0]'s gradients
+    assert o["scales"] == [1024.0, 512.0, 512.0, 1024.0, 4096.0, 16384.0]
+    assert o["twice"][0] == o["step_twice"][0] == "RuntimeError"
+
+
+def test_names_with_orig_params_as_torch():
+    """use_orig_params=True: the names (and shapes) ``named_parameters()`` yields outside, inside a
+    forward and inside ``summon_full_params`` are torch FSDP1's."""
+    rs = run("names")
+    o = rs[0]["ours"]
+    assert [n for n, *_ in o["summon"]] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    assert ("weight", (11, 13), False) in o["forward_inner"]  # the running unit's: full shape, a plain tensor
+    assert o["after"] == o["outside"]
+
+
+@pytest.mark.parametrize("with_step", [False, True])
+def test_nonuniform_req_grad_model_state_dict_as_torch(with_step):
+    """Issue 20's SIGSEGV report (``NonUniformReqGradNWM``, use_orig_params, fp16 params, a forward and
+    backward, then ``state_dict()``): it runs, and loss, gradients and full state dict are torch's."""
+    rs = run("nonuniform_req_grad", with_step)
+    assert all(g is None for _, g in rs[0]["ours"]["grads"])  # rank 0 holds none of module.2.1
+    assert any(g is not None for _, g in rs[1]["ours"]["grads"])
+    assert list(rs[0]["ours"]["state_dict"])[0] == "module.0.weight"

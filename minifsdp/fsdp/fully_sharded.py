@@ -330,7 +330,7 @@ class FullyShardedDataParallel(Unit):
             h.unshard()
             if root.forward_prefetch:
                 prefetch(step.order.next_in_forward(self), step.units, root.limit_all_gathers, in_backward=False)
-            h.use_unsharded_views()
+            h.use_unsharded_views(in_forward=True)
         try:
             with span(self._tracer, "forward", h.name if h is not None else "root"):
                 out = self._fsdp_wrapped_module(*args, **kwargs)

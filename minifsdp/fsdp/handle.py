@@ -253,19 +253,28 @@ class FlatParamHandle(GradientReduction):
             self.padded.untyped_storage().resize_(0)
             self.state = HandleState.SHARDED
 
-    def use_unsharded_views(self) -> None:
+    def use_unsharded_views(self, in_forward: bool = False) -> None:
         """Forward and backward: every original name is a plain-tensor view of the full buffer.
 
         The views carry autograd to ``unsharded``, so their gradients sum into its
-        ``.grad``; a tied weight's second name gets the *same* view object.
+        ``.grad``; a tied weight's second name gets the *same* view object.  With
+        ``use_orig_params``, ``in_forward``, they are registered too, so that
+        ``named_parameters()`` inside the forward yields them (full shapes, plain tensors),
+        as torch FSDP1's ``_use_unsharded_views``; :meth:`use_sharded_views` registers the
+        originals again.  (In the backward torch's ``named_parameters()`` yields none of
+        them; ours keeps the originals registered there.)
         """
         views = unflatten(self.unsharded, self.layout)
         for slot, v in zip(self.layout.slots, views):
             if self.use_orig_params and not slot.param.requires_grad:  # frozen now (maybe after wrapping)
                 v = v.detach()
             set_tensor_attr(slot.module, slot.name, v)
+            if self.use_orig_params and in_forward:
+                slot.module._parameters[slot.name] = v
         for sh in self.layout.shared:
             set_tensor_attr(sh.module, sh.name, views[sh.primary])
+            if self.use_orig_params and in_forward:
+                sh.module._parameters[sh.name] = views[sh.primary]
 
     def use_full_params(self) -> None:
         """summon_full_params: every original name is an ``nn.Parameter`` of its full shape, as torch shows it.
@@ -339,6 +348,9 @@ class FlatParamHandle(GradientReduction):
         for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
             piece = self.flat_param.data[lo:hi]
             slot.param.data = piece if self.sharded else piece.view(slot.shape)
+            slot.module._parameters[slot.name] = slot.param  # registered again (the forward's views out)
+        for sh in self.layout.shared:
+            sh.module._parameters[sh.name] = self.layout.slots[sh.primary].param
 
     def local_pieces(self) -> list[tuple[int, int]]:
         if self.sharded:
