@@ -4,7 +4,6 @@
 solutions; ``--impl=student`` grades the stubs in ``exercises/``.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -29,7 +28,3 @@ def pytest_addoption(parser):
 def impl(request):
     return request.config.getoption("--impl")
 
-
-# The port of torch's FSDP1 tests (tests/torch_suite) runs by its command, `python -m minifsdp torch-suite`,
-# which sets MINIFSDP_TORCH_SUITE=1; the default run collects only its CI slice, tests/test_torch_suite.py.
-collect_ignore = [] if os.environ.get("MINIFSDP_TORCH_SUITE") else ["torch_suite"]

@@ -7,7 +7,7 @@ on the other, on the same ranks and seeds; a case raises when its check fails.  
 torch FSDP1 itself fails on CPU is skipped with torch's error (not counted); a case that only
 ours fails is marked ``xfail(strict=True)`` with the gap, so fixing it flips the mark.
 
-Run the whole port with ``python -m minifsdp torch-suite`` (a table per group), or
-``MINIFSDP_TORCH_SUITE=1 python -m pytest tests/torch_suite``; CI runs the slice in
-``tests/test_torch_suite.py``.
+Run the whole port with ``python -m minifsdp torch-suite`` (a table per group) or
+``python -m pytest tests/torch_suite`` (the default collection includes it: about 2 minutes on 2
+cores); ``-m fast`` selects one or two cases per group.
 """
