@@ -39,7 +39,7 @@ def scaler_flags(rank: int, device: str | torch.device = "cpu") -> list:
             if step == 1:
                 w.grad[0] = float("inf")
         scaler.unscale_(opt)
-        found = scaler._found_inf
+        found = scaler._found_inf[id(opt)]  # the all-reduced flag, read back on CPU
         before = w.detach().clone()
         scaler.step(opt)
         scaler.update()

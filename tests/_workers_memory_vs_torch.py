@@ -96,3 +96,42 @@ def hidden_copy_worker() -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in keep())
     del model
     return {"without": without, "with": with_copy, "copy": nbytes}
+
+
+def dropped_model_worker(cases: tuple) -> dict:
+    """{case: bytes still alive after the user drops the model and optimizer}: must be 0.
+
+    A hook registered on a tensor lives in C++, out of the garbage collector's sight; a hook that
+    holds its module makes a cycle nothing can collect, and every model built and dropped (a notebook,
+    a sweep, a test suite) stays in memory.  Each case trains one step, exercising every hook ours
+    registers, then drops everything and counts what is left.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = CharCorpus()
+    out = {}
+    for case in cases:
+        strategy, _, variant = case.partition("+")
+        gc.collect()
+        base = live_tensor_bytes()
+        model = TinyGPT(GPTConfig.tiny(), seed=0)
+        if variant == "frozen":
+            model.blocks[0].requires_grad_(False)  # a frozen unit: the reshard-only hook
+        if strategy == "DDP":
+            from minifsdp.ddp import DistributedDataParallel
+
+            model = DistributedDataParallel(model)
+        else:
+            model = _wrap("ours", model, {Block}, strategy, variant == "orig")
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        if variant == "no_sync":
+            with model.no_sync():
+                model(*corpus.batch(1, 2, 32, rank, world)).backward()
+        _step("gpt", model, opt, corpus, rank, world)
+        if variant == "summon":
+            with FSDP.summon_full_params(model):
+                pass
+            model.state_dict()
+        del model, opt
+        gc.collect()
+        out[case] = live_tensor_bytes() - base
+    return out

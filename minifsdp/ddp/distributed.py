@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 import zlib
 
 import torch
@@ -272,8 +273,13 @@ class DistributedDataParallel(nn.Module):
     # --- backward: hooks, buckets, the final wait -------------------------------------------------
 
     def _make_hook(self, i: int):
+        # The hook lives on the parameter (in C++, out of the garbage collector's sight): holding
+        # ``self`` strongly would keep every dropped DDP model alive.  A weak reference does not.
+        ddp = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if not self._require_sync:
+            self = ddp()
+            if self is None or not self._require_sync:
                 return
             if not self._in_backward:  # first gradient of this backward
                 self._start_backward()
