@@ -7,7 +7,7 @@
 """
 
 from minifsdp.memory.census import live_tensor_bytes, rss_bytes
-from minifsdp.memory.tracker import MemoryTracker, snapshot
+from minifsdp.memory.tracker import MemoryTracker, snapshot, without_resident
 from minifsdp.memory.zero_formulas import model_state_bytes
 
-__all__ = ["MemoryTracker", "snapshot", "model_state_bytes", "live_tensor_bytes", "rss_bytes"]
+__all__ = ["MemoryTracker", "snapshot", "without_resident", "model_state_bytes", "live_tensor_bytes", "rss_bytes"]

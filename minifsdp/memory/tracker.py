@@ -80,7 +80,7 @@ autograd saves it with no pack hook): the census sees it, 8 bytes above us.
 
 Totals count everything alive, other models too: to compare setups, measure each
 with only it alive, or subtract ``breakdown_at_peak["resident"]`` (what was alive
-before and is not this model's or optimizer's).
+before and is not this model's or optimizer's): ``without_resident(breakdown)``.
 """
 
 from __future__ import annotations
@@ -100,11 +100,17 @@ from minifsdp.memory.activation_sizes import tensors_in as _tensors_in
 from minifsdp.memory.census import live_tensor_objects
 from minifsdp.memory.census import storages_of as _storages  # a DTensor's bytes live in its local tensor
 
-__all__ = ["MemoryTracker", "snapshot", "CATEGORIES"]
+__all__ = ["MemoryTracker", "snapshot", "without_resident", "CATEGORIES"]
 
 # in order of precedence: a storage seen in two roles gets the first
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "unsharded_parameters", "resident",
               "activations", "other")
+
+
+def without_resident(breakdown: dict[str, int]) -> dict[str, int]:
+    """``breakdown`` less its "resident" bytes (other models, a dataset alive in the process), total too."""
+    rest = {k: v for k, v in breakdown.items() if k != "resident"}
+    return {**rest, "total": breakdown["total"] - breakdown.get("resident", 0)}
 
 
 def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
@@ -193,19 +199,16 @@ class MemoryTracker:
         self.track_storage_resize = track_storage_resize
         self.on_peak, self.on_peak_result = on_peak, None
         self.found_at_exit = 0
-        self.timeline: list[tuple[float, int]] = []
+        self.timeline: list[tuple[float, int]] = []  # (seconds since enter, bytes alive)
         self.marks: list[tuple[str, float]] = []
-        self.peak_bytes = 0
-        self.peak_phase = ""
-        self.current_bytes = 0
+        self.peak_bytes, self.peak_phase, self.current_bytes = 0, "", 0
         self.storage_resizes = 0  # calls to UntypedStorage.resize_ seen (FSDP's all-gather buffers)
         self._entries: dict[int, _Entry] = {}  # id(storage) -> entry, for live storages only
         self._serial = 0
         self._peak_live: dict[int, int] = {}  # entry key -> bytes, at the peak
         self._mark_live: dict[str, dict[int, int]] = {}
         self._dead_roles: dict[int, set[str]] = {}  # roles of storages freed inside the region
-        self._phase = "start"
-        self._scanning = False
+        self._phase, self._scanning = "start", False
         self._lock = threading.RLock()  # a storage may die on another thread (gloo's), mid-update here
         self._undo: list[Any] = []
 

@@ -116,11 +116,11 @@ def _step_fn(model, batch_size, cfg):
 
 
 def _peak(model, opt, step) -> dict:
-    from minifsdp.memory.tracker import MemoryTracker
+    from minifsdp.memory.tracker import MemoryTracker, without_resident
 
     with MemoryTracker(model, opt) as mt:
         step()
-    return dict(mt.breakdown_at_peak)
+    return without_resident(mt.breakdown_at_peak)  # the other settings' models are alive too
 
 
 def _timed(entries: dict, steps: int) -> dict:
