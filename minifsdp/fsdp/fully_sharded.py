@@ -289,11 +289,11 @@ class FullyShardedDataParallel(Unit):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The state dict of the type set by ``FSDP.state_dict_type`` (torch's default: FULL, every rank)."""
         sd = sd_type.typed_state_dict(self)
-        if destination is None:
+        if destination is None and not prefix:
             return sd
-        for k, v in sd.items():
-            destination[prefix + k] = v
-        return destination
+        out = type(sd)() if destination is None else destination  # every key under ``prefix``, as torch
+        out.update((prefix + k, v) for k, v in sd.items())
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a state dict of the type set by ``FSDP.state_dict_type``; each rank keeps its shard.

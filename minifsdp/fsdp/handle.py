@@ -147,7 +147,10 @@ class FlatParamHandle(GradientReduction):
         parent unit does not flatten them again (torch's ``_fsdp_flattened`` mark, set
         only then).  Either way each records where it was flattened, for the error or
         warning about a weight tied across units (``wrap.check_ties_across_units``).
-        Then each name points at its sharded view (``use_sharded_views``).
+        Then each name points at its sharded view (``use_sharded_views``), registered anew
+        with ``use_orig_params``: a module lists its flattened names in the flat parameter's
+        order, a tied weight's second name last (``output_proj.bias`` before the tied
+        ``output_proj.weight``), as torch FSDP1's ``module._parameters`` and state dicts do.
         """
         for slot in self.layout.slots:
             slot.param._minifsdp_flattened_at = (slot.module, slot.name)
@@ -157,9 +160,11 @@ class FlatParamHandle(GradientReduction):
                 slot.param._minifsdp_orphan = slot.fqn  # the optimizer-before-wrap check looks for it
                 del slot.module._parameters[slot.name]
                 slot.param = None  # the flat buffer holds the numbers now: keep no full-size copy
-        if not self.use_orig_params:
-            for sh in self.layout.shared:
-                sh.module._parameters.pop(sh.name, None)
+        for sh in self.layout.shared:
+            sh.module._parameters.pop(sh.name, None)
+        if self.use_orig_params:  # registered again below, as torch: each module's slots, then its tied names
+            for slot in self.layout.slots:
+                slot.module._parameters.pop(slot.name, None)
         self.use_sharded_views()
 
     def unshard(self) -> None:
