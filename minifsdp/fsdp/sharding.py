@@ -6,6 +6,8 @@
     NO_SHARD       whole on every rank        all-reduce (DDP-like)       -
     HYBRID_SHARD   sharded inside a group,    reduce-scatter in the group  3 in the group
                    replicated across groups   + all-reduce across groups
+    _HYBRID_SHARD_ZERO2  as HYBRID_SHARD, but  as HYBRID_SHARD             2 in the group
+                   kept from fwd to bwd (torch's private name: SHARD_GRAD_OP inside the group)
 
 HYBRID_SHARD on 4 ranks as a 2 x 2 mesh (replicate dimension first, shard second):
 
@@ -37,8 +39,8 @@ import torch.nn.functional as F
 
 from minifsdp.comm.collectives import get_collectives
 
-__all__ = ["ShardingStrategy", "ShardGroups", "resolve_groups", "predivide_factor", "prepare_for_reduce_scatter",
-           "finish_reduced_shard", "Comm", "hybrid_groups"]
+__all__ = ["ShardingStrategy", "HYBRID", "ShardGroups", "resolve_groups", "predivide_factor",
+           "prepare_for_reduce_scatter", "finish_reduced_shard", "Comm", "hybrid_groups"]
 
 
 class ShardingStrategy(Enum):
@@ -46,9 +48,11 @@ class ShardingStrategy(Enum):
     SHARD_GRAD_OP = auto()
     NO_SHARD = auto()
     HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
 
 
-SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD)
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)  # two groups: shard, replicate
+SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *HYBRID)
 RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
@@ -133,7 +137,7 @@ def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh) -> Sh
     """Turn torch's ways of naming groups into :class:`ShardGroups`, with clear errors."""
     if process_group is not None and device_mesh is not None:
         raise ValueError("pass either process_group= or device_mesh=, not both")
-    if strategy is not ShardingStrategy.HYBRID_SHARD:
+    if strategy not in HYBRID:
         if isinstance(process_group, tuple):
             raise ValueError(f"a (shard_group, replicate_group) tuple is for HYBRID_SHARD, not {strategy.name}")
         if device_mesh is not None:
@@ -144,20 +148,20 @@ def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh) -> Sh
         return ShardGroups(process_group if process_group is not None else dist.group.WORLD)
     if device_mesh is not None:
         if device_mesh.ndim != 2:
-            raise ValueError(f"HYBRID_SHARD needs a 2-D device_mesh (replicate dim first, shard second), "
+            raise ValueError(f"{strategy.name} needs a 2-D device_mesh (replicate dim first, shard second), "
                              f"got {device_mesh.ndim}-D; e.g. init_device_mesh('cpu', (2, 2))")
         groups = ShardGroups(device_mesh.get_group(1), device_mesh.get_group(0))
     elif isinstance(process_group, tuple) and len(process_group) == 2:
         groups = ShardGroups(process_group[0], process_group[1])
     else:
         raise ValueError(
-            "HYBRID_SHARD needs its two groups: device_mesh=init_device_mesh(device, (replicate, shard)) "
+            f"{strategy.name} needs its two groups: device_mesh=init_device_mesh(device, (replicate, shard)) "
             "or process_group=(shard_group, replicate_group) (see minifsdp.fsdp.sharding.hybrid_groups)."
         )
     world = dist.get_world_size()
     if groups.data_parallel_size != world:
         raise ValueError(
-            f"HYBRID_SHARD: shard group of {groups.shard_size} x replicate group of "
+            f"{strategy.name}: shard group of {groups.shard_size} x replicate group of "
             f"{dist.get_world_size(groups.replicate)} ranks = {groups.data_parallel_size}, but the world size is "
             f"{world}; the groups must tile the world (e.g. 4 ranks = 2 x 2)."
         )

@@ -4,7 +4,9 @@ What torch's file checks, and how here:
 - HYBRID_SHARD and _HYBRID_SHARD_ZERO2 with an explicit (intra-node, inter-node) process-group pair
   train TransformerWithSharedParams as DDP does, with and without use_orig_params;
 - each rank's local share of every unit is the 1/2 shard of its intra-node group (torch's shapes);
-- the same with a 2 x 2 ``device_mesh`` instead of the pair.
+- the same with a 2 x 2 ``device_mesh`` instead of the pair;
+- between forward and backward a non-root unit's full parameter is freed (HYBRID_SHARD) or kept
+  (_HYBRID_SHARD_ZERO2: SHARD_GRAD_OP inside the group), freed after the backward, as in torch.
 Groups: intra {0,1},{2,3}; inter {0,2},{1,3}.  Oracle: DDP over all 4 ranks (inputs seeded by the
 intra-node rank, as torch's model does when given a pair), and torch FSDP1 for the shard shapes.
 Tolerance: assert_close fp32 defaults.
@@ -54,14 +56,38 @@ def case_ddp_parity(api, strategy, orig, how):
     return [tuple(p.shape) for p in fsdp.parameters()]  # each rank's local shares: torch's
 
 
+def _resident(api, unit) -> bool:
+    """Whether ``unit``'s all-gathered (padded, full) flat parameter holds memory now."""
+    h = unit._handle
+    full = h.padded if api.ours else h.flat_param._full_param_padded
+    return full.untyped_storage().size() > 0
+
+
+def case_reshard_after_forward(api, strategy):
+    """Between forward and backward each non-root unit's full parameter is freed (HYBRID_SHARD, ZeRO-3 in the
+    group) or kept (_HYBRID_SHARD_ZERO2, ZeRO-2 in the group); after the backward every one is freed."""
+    fsdp = api.init(TransformerWithSharedParams, dict(sharding_strategy=strategy), group=_pair())
+    inp = fsdp.module.get_input(W.CPU)
+    loss = fsdp.module.get_loss(inp, fsdp(*inp))
+    units = [m for m in api.FSDP.fsdp_modules(fsdp) if m is not fsdp and m._handle is not None]
+    assert units, "no non-root unit"
+    between = [_resident(api, m) for m in units]
+    fsdp.module.run_backward(loss)
+    after = [_resident(api, m) for m in units]
+    want = strategy == ShardingStrategy._HYBRID_SHARD_ZERO2
+    assert between == [want] * len(units), f"full parameters resident between forward and backward: {between}"
+    assert after == [False] * len(units), f"full parameters resident after the backward: {after}"
+    return between, after
+
+
 CASES = W.Cases()
 for _s in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
     for _o in (False, True):
         for _h in ("pair", "mesh"):
             CASES.add(case_ddp_parity, strategy=_s, orig=_o, how=_h, world=4, vs_torch=(0, 0))
+    CASES.add(case_reshard_after_forward, strategy=_s, world=4, vs_torch=(0, 0))
 
-XFAIL: dict = {"ddp_parity:strategy=_HYBRID_SHARD_ZERO2,": "ShardingStrategy._HYBRID_SHARD_ZERO2 (torch's hybrid "
-    "without resharding after forward) is not accepted: KeyError"}
+XFAIL: dict = {}
 FAST = ("ddp_parity:strategy=HYBRID_SHARD,orig=True,how=pair@4",)
 
 
