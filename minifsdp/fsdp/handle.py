@@ -243,10 +243,14 @@ class FlatParamHandle(GradientReduction):
         so that ``p.requires_grad_(False)`` *after* wrapping freezes ``p``: its view is
         detached, its ``.grad`` stays None and the optimizer skips it; a unit whose
         originals are all frozen stops computing a gradient (``backward.py``'s frozen path).
+        Without ``use_orig_params`` the flat parameter's own flag is the one the user sets
+        (``model.parameters()`` yields it): the gradient leaf follows it, so a unit frozen
+        at wrapping and unfrozen later trains (torch's leaf is the flat parameter itself).
         """
-        if not self.use_orig_params:
-            return
-        rg = any(s.param.requires_grad for s in self.layout.slots)
+        if self.use_orig_params:
+            rg = any(s.param.requires_grad for s in self.layout.slots)
+        else:
+            rg = self.flat_param.requires_grad
         for t in (self.flat_param, self.unsharded):
             if t.requires_grad != rg:
                 t.requires_grad_(rg)
