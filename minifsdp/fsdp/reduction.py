@@ -176,3 +176,19 @@ class GradientReduction:
                     set_grad(slot.param, self.flat_param.grad[lo:hi].view(slot.param.shape))
                 else:
                     slot.param.grad = None
+            self._step_in_backward()
+
+    def _step_in_backward(self) -> None:
+        """``torch.distributed.optim._apply_optimizer_in_backward`` (use_orig_params): an original that carries
+        ``_in_backward_optimizers`` is stepped as soon as its gradient shard is here, and its gradient
+        dropped, as torch FSDP1's post-backward does; the flat gradient goes once no original holds one."""
+        stepped = False
+        for slot in self.layout.slots:
+            optims = getattr(slot.param, "_in_backward_optimizers", None)
+            if optims and slot.param.grad is not None:
+                for opt in optims:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                stepped = True
+        if stepped and all(slot.param.grad is None for slot in self.layout.slots):
+            self.flat_param.grad = None
