@@ -12,8 +12,8 @@ reduce-scatter):
     backward:           AG b1, grad b1, RS b1, free | AG b0, grad b0, wait RS b1, RS b0, free | grad root, ...
     end:       final callback at the root: wait for the last RS, grads land in each unit's flat_param.grad
 
-Collectives are asynchronous: a reduce-scatter runs while the next unit computes
-(at most one in flight: each unit's post-backward finishes the previous unit's),
+Collectives are asynchronous: on a GPU a reduce-scatter runs while the next unit computes
+(one in flight: each post-backward finishes the previous unit's; on CPU its own, as torch),
 and with prefetching (``prefetch.py``) so does the next unit's all-gather.
 
 Two objects per unit, each with one job, and calls go one way (unit -> handle):

@@ -8,7 +8,7 @@
                free the full buffer
     later      the next unit's post-backward (or the root's final callback for the last
                one) waits for the reduction, finishes the division and adds the result
-               into ``flat_param.grad``: at most one reduction in flight
+               into ``flat_param.grad``: at most one reduction in flight (on CPU: none)
 
 One unit's buffers, rank r of N, FULL_SHARD:
 

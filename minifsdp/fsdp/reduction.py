@@ -5,7 +5,8 @@
                     --> added into flat_param.grad (or into the shard kept from an earlier backward)
 
 ``later`` is the next unit's post-backward, or the root's final callback for the
-last unit (``fully_sharded.py``): at most one reduction in flight.  NO_SHARD
+last unit (``fully_sharded.py``): at most one reduction in flight; on CPU the unit's own
+post-backward, as torch FSDP1 on CPU (``backward.py``).  NO_SHARD
 all-reduces the whole gradient instead, with the same casts and divide factors
 (``sharding.py``), as torch FSDP1's ``_reduce_grad_no_shard``.
 
