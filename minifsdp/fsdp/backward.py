@@ -96,7 +96,7 @@ def post_backward(unit) -> None:
         if other is not unit and other._handle is not None and other._handle.pending:
             other._handle.finish_reduce()
     h.start_reduce()
-    if h.flat_param.device.type == "cpu":
+    if h.sharded and h.flat_param.device.type == "cpu":
         # torch FSDP1 on CPU reduce-scatters synchronously in this hook: a unit's full gradient never
         # outlives it.  Keeping one reduction in flight (torch's GPU way, on a stream) would hold a whole
         # unit's gradient through the next unit's backward: +1 block at the peak (bench TinyGPT: 4%).
