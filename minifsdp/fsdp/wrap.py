@@ -25,6 +25,7 @@ does what torch FSDP1 does then, with a message torch does not give.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable
 
@@ -33,7 +34,7 @@ import torch.nn as nn
 from minifsdp.fsdp.units import clean_name, is_unit
 
 __all__ = ["size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "recursive_wrap",
-           "check_ties_across_units"]
+           "check_ties_across_units", "check_layer_cls_matches"]
 
 
 def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
@@ -76,6 +77,8 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Modul
     """
     if is_unit(module) or module in ignored:
         return module, 0
+    if only_wrap_children:  # the top call, from FSDP's constructor
+        check_layer_cls_matches(module, policy)
     nonwrapped = _nonwrapped_numel(module, ignored)
     if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
         return module, 0
@@ -89,6 +92,30 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Modul
     if not only_wrap_children and policy(module=module, recurse=False, nonwrapped_numel=remainder):
         return wrap(module), nonwrapped
     return module, wrapped_numel
+
+
+def check_layer_cls_matches(module: nn.Module, policy: Callable) -> None:
+    """Warn when a ``transformer_auto_wrap_policy`` names a class that no module in ``module`` is.
+
+    torch FSDP1 wraps nothing then, silently: the whole model becomes one unit, every
+    parameter is gathered at once and nothing says why memory did not drop (a typo, or
+    ``GPT2Block`` given to a BERT).  We wrap the same (nothing) and warn, naming the class.
+    A name given as a string (as in accelerate's config files) is refused: ``isinstance``
+    needs the class itself (torch fails there with a bare ``TypeError``).
+    """
+    if not isinstance(policy, functools.partial) or policy.func.__name__ != "transformer_auto_wrap_policy":
+        return
+    classes = policy.keywords.get("transformer_layer_cls") or ()
+    for cls in classes:
+        if not isinstance(cls, type):
+            raise TypeError(f"transformer_auto_wrap_policy: transformer_layer_cls takes classes, got {cls!r}; "
+                            "import the class (e.g. `from transformers.models.bert.modeling_bert import BertLayer`)")
+    present = {type(m) for m in module.modules()}
+    for cls in classes:
+        if not any(issubclass(t, cls) for t in present):
+            warnings.warn(f"FSDP: transformer_layer_cls {cls.__module__}.{cls.__qualname__} matches no module of "
+                          f"{type(module).__name__}, so nothing is wrapped by it (torch FSDP1 does the same, "
+                          "silently): check the class", stacklevel=4)
 
 
 def _outside_units(module: nn.Module, prefix: str = ""):
