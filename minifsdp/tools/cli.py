@@ -1,4 +1,4 @@
-"""The command line: ``python -m minifsdp compare``, ``bench ...`` and ``torch-suite``."""
+"""The command line: ``python -m minifsdp compare``, ``train``, ``generate``, ``bench ...`` and ``torch-suite``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("--collectives", choices=("torch", "ring"), default="ring")
     p_cmp.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     p_cmp.add_argument("--out", default="out", help="folder for the loss-curve PNG")
+
+    p_train = sub.add_parser("train", help="train the tiny GPT for real: progress, schedule, checkpoints, resume")
+    from minifsdp.tools.train import add_arguments
+
+    add_arguments(p_train)
+
+    p_gen = sub.add_parser("generate", help="greedy text from a train run's consolidated weights")
+    p_gen.add_argument("--checkpoint", required=True, help="the run's --checkpoint-dir (or one step_* folder in it)")
+    p_gen.add_argument("--prompt", required=True)
+    p_gen.add_argument("--tokens", type=int, default=200, help="characters to generate")
 
     p_bench = sub.add_parser("bench", help="measure ours against torch in the same run")
     p_bench.add_argument("what", choices=("collectives", "fsdp", "overlap", "precision"))
@@ -46,6 +56,22 @@ def main(argv: list[str] | None = None) -> int:
         from minifsdp.tools.torch_suite import run_torch_suite
 
         return run_torch_suite(args)
+    if args.command in ("train", "generate"):
+        import sys
+
+        from minifsdp.tools.train_checks import JobError
+
+        try:
+            if args.command == "train":
+                from minifsdp.tools.train import run_train
+
+                return run_train(args)
+            from minifsdp.tools.generate import run_generate
+
+            return run_generate(args)
+        except JobError as e:
+            print(f"minifsdp {args.command}: error: {e}", file=sys.stderr)
+            return 2
     if args.command == "compare":
         from minifsdp.tools.compare import run_compare
 
