@@ -17,8 +17,8 @@ LAYERS = {
     "minifsdp.launch": 0, "minifsdp.models": 0, "minifsdp.notebook": 0,
     "minifsdp.comm": 1,
     "minifsdp.ddp": 2,
-    "minifsdp.fsdp": 3, "minifsdp.memory": 3,
-    "minifsdp.checkpoint": 4,
+    "minifsdp.fsdp": 3, "minifsdp.memory": 3, "minifsdp.parallel": 3,
+    "minifsdp.checkpoint": 4, "minifsdp.fsdp2": 4,
     "minifsdp.tools": 5,
     "minifsdp.__main__": 6, "minifsdp": 6,
 }
@@ -112,7 +112,7 @@ def test_imports_never_climb_to_a_higher_layer():
 
 
 def test_chapter_subpackages_exist_and_the_top_stays_small():
-    for pkg in ("comm", "ddp", "fsdp", "memory", "checkpoint", "tools"):
+    for pkg in ("comm", "ddp", "fsdp", "memory", "parallel", "checkpoint", "fsdp2", "tools"):
         assert (PKG / pkg / "__init__.py").is_file(), f"minifsdp/{pkg}/ is not a package"
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 8, f"{len(top)} modules at the top of minifsdp/: {top}"

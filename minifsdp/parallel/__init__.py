@@ -1,0 +1,8 @@
+"""Chapters 1 and 4.4: model parallelism built from scratch, beside data parallelism.
+
+    tensor_parallel.py   ch 4.4  Megatron-style column / row parallel layers and parallelize_module
+    pipelining.py        ch 1, 4.4  pipeline stages and their schedules (GPipe, 1F1B)
+
+Both are written on torch.distributed's point-to-point and collective calls and checked against
+torch's own ``torch.distributed.tensor.parallel`` and ``torch.distributed.pipelining`` on CPU gloo.
+"""
