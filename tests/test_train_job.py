@@ -97,6 +97,25 @@ def test_torch_fsdp2_agrees_within_tolerance(base, tmp_path):
         assert math.isclose(x["grad_norm"], y["grad_norm"], rel_tol=1e-5), (x, y)
 
 
+@pytest.mark.timeout(120)
+def test_logged_grad_norm_is_the_global_norm_of_the_plain_model(tmp_path):
+    """Oracle: the unwrapped model on the global batch (both ranks' rows), one backward, fp32.
+
+    Not bitwise: its loss is one mean over 8 rows, ours the mean of two 4-row means (rtol 1e-5).
+    A norm over this rank's shard only would be about 1/sqrt(2) of it.
+    """
+    assert train("--world-size", "2", "--steps", "1", "--dropout", "0", "--batch-size", "4",
+                 "--log-json", str(tmp_path / "log.jsonl")) == 0
+    (rec,) = log_of(tmp_path / "log.jsonl")
+    model, corpus = TinyGPT(GPTConfig.tiny(), seed=0), CharCorpus()
+    parts = [corpus.batch(0, 4, model.cfg.block_size, r, 2) for r in range(2)]
+    loss = model(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    assert math.isclose(rec["loss"], loss.item(), rel_tol=1e-5), (rec, loss.item())
+    assert math.isclose(rec["grad_norm"], norm, rel_tol=1e-5), (rec, norm)
+
+
 @pytest.mark.timeout(180)
 def test_torchrun_logs_bitwise_the_same_as_world_size_2(base, tmp_path):
     flags = [f for f in FLAGS[2:]]  # no --world-size: torchrun's
