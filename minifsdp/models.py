@@ -70,11 +70,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # chunk and -1, not C and n_head: under tensor parallelism qkv yields only this rank's heads (3C/N wide)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, H, T, T)
         att = att.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)
         return self.proj(y)
 
 
