@@ -96,7 +96,7 @@ def reduce_gradient_shard(rank_grads: list[torch.Tensor], rank: int, reduce_dtyp
     ``rank_grads[r]``: rank r's full 1-D gradient (compute dtype).  Returns rank
     ``rank``'s gradient shard in ``param_dtype``, with the same two steps as
     ``FlatParamHandle.start_reduce`` / ``finish_reduce`` (``sharding.py``), the
-    reduce-scatter replaced by a sum in rank order (exercise 4.2b's reference):
+    reduce-scatter replaced by a sum in rank order (exercise 4.1b's reference):
 
         cast to reduce_dtype -> pad to a multiple of N -> / f -> sum over ranks
         -> keep chunk ``rank`` -> / (N / f) -> cast to param_dtype

@@ -1,9 +1,9 @@
-"""Grades tasks 4.1 and 4.2a-b: ``--impl=reference`` checks minifsdp's own functions,
+"""Grades tasks 2.5 and 4.1a-b: ``--impl=reference`` checks minifsdp's own functions,
 ``--impl=student`` the stubs in exercises/overlap_tasks.py.  One process, no ranks.
 
-Oracles: 4.1 the execution orders our FSDP records on TinyGPT (tests/test_prefetch.py checks the
-resulting all-gather order and bitwise results against torch FSDP1); 4.2a torch's rule
-(``_init_param_reduce_dtypes`` in torch/distributed/fsdp/_flat_param.py); 4.2b the reference,
+Oracles: 2.5 the execution orders our FSDP records on TinyGPT (tests/test_prefetch.py checks the
+resulting all-gather order and bitwise results against torch FSDP1); 4.1a torch's rule
+(``_init_param_reduce_dtypes`` in torch/distributed/fsdp/_flat_param.py); 4.1b the reference,
 bitwise, plus cases that need no reference: the fp16 overflow that the pre-division avoids, output
 dtype and shape, and the exact average of small integers.
 """
@@ -28,7 +28,7 @@ def _fn(impl, name):
     return getattr(importlib.import_module(mod), attr)
 
 
-def test_task4_1_prefetch_target(impl):
+def test_task2_5_prefetch_target(impl):
     f = _fn(impl, "prefetch_target")
     pre, post = ["root", "blocks.0", "blocks.1"], ["blocks.0", "blocks.1", "root"]
     assert f(pre, post, "root", "forward") == "blocks.0"
@@ -43,7 +43,7 @@ def test_task4_1_prefetch_target(impl):
         f(pre, post, "root", "sideways")
 
 
-def test_task4_2a_mixed_precision_dtypes(impl):
+def test_task4_1a_mixed_precision_dtypes(impl):
     f = _fn(impl, "mixed_precision_dtypes")
     bf, h, f32 = torch.bfloat16, torch.float16, torch.float32
     assert f(None, None, f32) == (f32, f32)
@@ -59,7 +59,7 @@ def _grads(n, numel, dtype, seed):
             for _ in range(n)]
 
 
-def test_task4_2b_reduce_gradient_shard(impl):
+def test_task4_1b_reduce_gradient_shard(impl):
     f = _fn(impl, "reduce_gradient_shard")
     ref = _fn("reference", "reduce_gradient_shard")
     # exact case: small integers, the average is exact in every dtype
