@@ -3,4 +3,17 @@
 FSDP1 (``minifsdp.fsdp``) flattens a unit's parameters into one flat parameter and shards that;
 FSDP2 shards every parameter on its own along dim 0 and keeps the original parameters.  Checked
 against torch's ``torch.distributed.fsdp.fully_shard`` on CPU gloo.
+
+    param.py            one sharded parameter: padded dim-0 rows, ``to_local()`` / ``full_tensor()``
+    param_group.py      the parameters of one call: one all-gather, one reduce-scatter, state enums
+    fully_shard.py      ``fully_shard(module)``: the hooks, ``FSDP<Orig>`` classes, unshard / reshard
+    mixed_precision.py  ``MixedPrecisionPolicy`` and the reduce-scatter's divide rule
 """
+
+from minifsdp.fsdp2.fully_shard import FSDPModule, fully_shard
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
+from minifsdp.fsdp2.param import ShardedParameter, ShardedState
+from minifsdp.fsdp2.param_group import TrainingState
+
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardedParameter", "ShardedState",
+           "TrainingState"]

@@ -1,0 +1,270 @@
+"""Chapter 5: ``fully_shard(module)``, FSDP2's per-module API, and the hooks that drive it.
+
+Usage, as torch's (bottom-up: each block, then the root)::
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    loss = model(x, y); loss.backward(); opt.step()
+
+What one call does to ``module``:
+
+1. takes the parameters of ``module`` that no earlier ``fully_shard`` call took (a tied weight once,
+   with every ``(module, name)`` that holds it) and makes a :class:`~minifsdp.fsdp2.param_group.FSDPParamGroup`:
+   each parameter replaced by a :class:`~minifsdp.fsdp2.param.ShardedParameter` of this rank's rows.
+   Buffers stay as they are (replicated); frozen parameters are sharded and gathered but get no gradient.
+2. hooks: forward pre-hook (all-gather, cast inputs, put an autograd identity on the inputs whose backward
+   is the post-backward), forward hook (reshard if ``reshard_after_forward``; a tensor hook on the outputs
+   whose call is the pre-backward), and, queued by the first pre-backward, an end-of-backward callback on
+   the root (post-backward for groups autograd never reached, such as the root whose inputs are token ids).
+3. changes the module's class to ``FSDP<Orig>`` (a subclass made once per class, with :class:`FSDPModule`
+   first in its bases), exactly as torch does, so ``model.unshard()``, ``model.reshard()`` and
+   ``model.set_requires_gradient_sync(False)`` exist on the module itself and ``isinstance(model, Orig)`` holds.
+
+``reshard_after_forward``: ``None`` (torch's default) means True for every module except the root, which
+keeps its parameters from forward to backward (they would be gathered again at once); True / False as given.
+An int (reshard to a smaller group) is not supported here.
+
+How ours differs from torch's, on purpose: the sharded parameters are ``nn.Parameter`` subclasses, not
+DTensors (see :mod:`minifsdp.fsdp2.param`); ``mesh`` may be a 1-D ``DeviceMesh`` or a process group (no HSDP);
+everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with), so the
+collectives are issued in the same order as torch's but never overlap compute; no ``offload_policy``
+other than none; no explicit prefetching (``set_modules_to_forward_prefetch``) -- the implicit backward
+prefetch of the previous group is there.  The extra keyword ``collectives`` picks torch's collectives
+(default, bitwise parity) or our ring (``"ring"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from minifsdp.comm import get_collectives
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, cast_floating
+from minifsdp.fsdp2.param import ShardedParameter
+from minifsdp.fsdp2.param_group import CommContext, FSDPParamGroup, TrainingState
+
+__all__ = ["fully_shard", "FSDPModule", "FSDPState", "fsdp_state"]
+
+_STATE_ATTR = "_minifsdp_fsdp2_state"
+
+
+def fsdp_state(module: nn.Module) -> "FSDPState | None":
+    """The state ``fully_shard`` attached to ``module``, or None."""
+    return module.__dict__.get(_STATE_ATTR)
+
+
+class _RootContext:
+    """What the root shares with every state below it, made at the root's first forward."""
+
+    def __init__(self, states: list["FSDPState"]):
+        self.all_states = states
+        self.comm = CommContext()
+        self.callback_queued = False
+        self.iter_forward_root: FSDPState | None = None
+
+
+class FSDPState:
+    """Per ``fully_shard`` call: the module, its group (None if it took no parameter), its hooks' logic."""
+
+    def __init__(self, module: nn.Module, group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy,
+                 auto_reshard: bool):
+        self.module = module
+        self.param_group = group
+        self.mp_policy = mp_policy
+        self.auto_reshard = auto_reshard
+        self.is_root: bool | None = None
+        self.ctx: _RootContext | None = None
+        self.training_state = TrainingState.IDLE
+
+    # ---------------------------------------------------------------- root
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        states = []
+        for sub in self.module.modules():
+            state = fsdp_state(sub)
+            if state is None:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError("fully_shard: run the forward through the root module first")
+                state.is_root = False
+            states.append(state)
+        ctx = _RootContext(states)
+        for state in states:
+            state.ctx = ctx
+            if state.param_group is not None:
+                state.param_group.comm_ctx = ctx.comm
+        if self.auto_reshard and self.param_group is not None:
+            self.param_group.reshard_after_forward = False  # the root keeps its parameters for backward
+
+    # ---------------------------------------------------------------- hooks
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.training_state is TrainingState.PRE_BACKWARD:  # a recomputation inside backward
+            if self.param_group is not None:
+                self.param_group.unshard()
+            return self._cast_inputs(args, kwargs)
+        self.training_state = TrainingState.FORWARD
+        self._lazy_init()
+        if self.ctx.iter_forward_root is None:
+            self.ctx.iter_forward_root = self
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if self.param_group is not None:
+            args, kwargs = self.param_group.pre_forward(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return cast_floating(output, self.mp_policy.output_dtype)
+        if self.param_group is not None:
+            self.param_group.post_forward()
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        self.training_state = TrainingState.IDLE
+        if self.ctx.iter_forward_root is self:
+            self.ctx.iter_forward_root = None
+        return cast_floating(output, self.mp_policy.output_dtype)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not (self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype):
+            return args, kwargs
+        return cast_floating(args, self.mp_policy.param_dtype), cast_floating(kwargs, self.mp_policy.param_dtype)
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.training_state = TrainingState.PRE_BACKWARD
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.param_group is not None:
+            self.param_group.pre_backward()
+        return grad
+
+    def _end_of_backward(self) -> None:
+        ctx = self.ctx
+        for state in ctx.all_states:
+            if state.param_group is not None:
+                state.param_group.finish_backward()
+            state.training_state = TrainingState.IDLE
+        ctx.comm.post_forward_order.clear()
+        ctx.iter_forward_root = None
+        ctx.callback_queued = False
+
+
+class FSDPModule:
+    """Mixed into a sharded module's class (``FSDP<Orig>``): the methods torch's ``FSDPModule`` offers."""
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        modules = self.modules() if recurse else [self]
+        return [s for m in modules if (s := fsdp_state(m)) is not None]
+
+    def unshard(self) -> None:
+        """All-gather this module's parameters now (they stay gathered until :meth:`reshard`)."""
+        group = fsdp_state(self).param_group
+        if group is not None:
+            group.unshard()
+
+    def reshard(self) -> None:
+        """Free this module's full parameters; the modules hold the sharded ones again."""
+        group = fsdp_state(self).param_group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps full gradients on each rank unreduced (accumulation); True: reduce-scatter."""
+        for s in self._fsdp_states(recurse):
+            if s.param_group is not None:
+                s.param_group.reduce_grads = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for s in self._fsdp_states(recurse):
+            if s.param_group is not None:
+                s.param_group.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        for s in self._fsdp_states(recurse):
+            s.auto_reshard = False
+            if s.param_group is not None:
+                s.param_group.reshard_after_forward = reshard_after_forward
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+_NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so safe as a shared default
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    new_cls = _FSDP_CLASSES.get(cls)
+    if new_cls is None:
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _FSDP_CLASSES[cls] = new_cls
+    module.__class__ = new_cls
+
+
+def _resolve_group(mesh):
+    if mesh is None:
+        return dist.group.WORLD
+    if hasattr(mesh, "get_group"):  # a torch DeviceMesh
+        if mesh.ndim != 1:
+            raise NotImplementedError("fully_shard here takes a 1-D mesh; HSDP (a 2-D mesh) is not built")
+        return mesh.get_group()
+    return mesh  # a process group
+
+
+def _managed_params(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, list[tuple[nn.Module, str]]]]:
+    """Parameters of ``module`` and its submodules not already taken by a nested ``fully_shard``,
+    each once, in ``named_modules`` order, with every (module, name) that holds it."""
+    managed, stack = [], [module]
+    while stack:
+        m = stack.pop(0)
+        managed.append(m)
+        stack[:0] = [c for c in m.children() if fsdp_state(c) is None]
+    params, users = [], {}
+    for m in managed:
+        for name, p in m._parameters.items():
+            if p is None or isinstance(p, ShardedParameter):
+                continue
+            if id(p) not in users:
+                params.append(p)
+                users[id(p)] = []
+            users[id(p)].append((m, name))
+    return params, users
+
+
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None,
+                mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION, offload_policy=None,
+                collectives: str = "torch") -> nn.Module:
+    """Shard ``module``'s parameters by rows over ``mesh`` (default: the world) and return ``module``.
+
+    Call it on each block first, then on the root.  See the module docstring for what it does and how
+    it differs from ``torch.distributed.fsdp.fully_shard``.
+    """
+    if fsdp_state(module) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise NotImplementedError("fully_shard: CPU offloading (CPUOffloadPolicy) is not built here")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError("fully_shard: an int reshard_after_forward (a smaller group) is not built here")
+    group = _resolve_group(mesh)
+    params, users = _managed_params(module)
+    param_group = None
+    if params:
+        param_group = FSDPParamGroup(params, users, group, get_collectives(collectives), mp_policy,
+                                     reshard_after_forward is not False)
+    state = FSDPState(module, param_group, mp_policy, auto_reshard=reshard_after_forward is None)
+    module.__dict__[_STATE_ATTR] = state
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
+    _swap_class(module)
+    return module

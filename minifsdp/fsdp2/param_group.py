@@ -1,0 +1,224 @@
+"""Chapter 5: a parameter group, the parameters of one ``fully_shard`` call, gathered and reduced together.
+
+Sharding is per parameter, but communication is per group: one all-gather brings in every parameter
+of a block, one reduce-scatter sends out every gradient.  Both need one flat buffer per rank.
+
+All-gather (``unshard``)::
+
+    copy-in (each rank):   [ w.chunk_r | b.chunk_r | ln.chunk_r ]         total = sum of padded chunks
+    all-gather:            rank 0's row | rank 1's row | ...              (N, total)
+    copy-out (per param):  w_full_padded.view(N, c*rest) <- columns of w, all N rows
+                           w_full = w_full_padded[:d0]   (the view the module computes with)
+
+Reduce-scatter (``post_backward``), the mirror image (torch's "chunk-cat")::
+
+    grad of w (d0 rows) -> padded to N*c rows -> N chunks; row r of the input = every grad's chunk r
+    input (N, total)  --reduce-scatter, avg-->  this rank's row (total,)  -> split per param,
+    [:rows_r] of each -> added to (or set as) the sharded parameter's ``.grad``
+
+State as enums, as torch's: :class:`TrainingState` (IDLE / FORWARD / PRE_BACKWARD / POST_BACKWARD) says
+which hook ran last; :class:`~minifsdp.fsdp2.param.ShardedState` (SHARDED / UNSHARDED) says where the
+data is.  Implicit backward prefetch (as torch's): a group's pre-backward also all-gathers the group
+whose forward ended just before its own, so that gather is issued before this group's reduce-scatter.
+
+Note (collectives): ``comm`` is :func:`minifsdp.comm.get_collectives` -- ``"torch"`` (torch.distributed's
+``all_gather_single`` / ``reduce_scatter_single``, the ones torch FSDP2 calls, hence bitwise parity) or
+``"ring"`` (our hand-written ring over send/recv; sums in another order, so equal only to rounding).
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, reduce_scatter_op
+from minifsdp.fsdp2.param import FSDPParam, ShardedState
+
+__all__ = ["TrainingState", "FSDPParamGroup", "CommContext"]
+
+
+class TrainingState(Enum):
+    """Which of the group's hooks ran last in this iteration."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class CommContext:
+    """Shared by all groups under one root: the order forwards finished in (for backward prefetch)."""
+
+    def __init__(self):
+        self.post_forward_order: list[FSDPParamGroup] = []
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs; its backward runs once the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx, group, *inputs):
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.group.post_backward()
+        return (None, *grads)
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call and the two collectives that move them."""
+
+    def __init__(self, params: list[nn.Parameter], users: dict[int, list[tuple[nn.Module, str]]],
+                 group, comm, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool):
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.comm = comm
+        self.mp_policy = mp_policy
+        self.fsdp_params = [
+            FSDPParam(p, users[id(p)], group, self.rank, self.world_size, mp_policy.param_dtype,
+                      mp_policy.reduce_dtype)
+            for p in params
+        ]
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.reduce_grads = True  # set_requires_gradient_sync
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.comm_ctx: CommContext | None = None  # set by the root's lazy init
+        self._post_forward_indices: list[int] = []
+
+    # ---------------------------------------------------------------- data movement
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state is ShardedState.UNSHARDED
+
+    def unshard(self) -> None:
+        """All-gather every parameter of the group into its full buffer; install the full parameters."""
+        if self.is_unsharded:
+            return
+        inputs = [p.all_gather_input() for p in self.fsdp_params]
+        numels = [t.numel() for t in inputs]
+        total = sum(numels)
+        dtype = inputs[0].dtype
+        gathered = torch.empty(self.world_size * total, dtype=dtype, device=inputs[0].device)
+        mine = gathered.narrow(0, self.rank * total, total)
+        torch.cat(inputs, out=mine)  # copy-in
+        if self.world_size > 1:
+            self.comm.all_gather(gathered, mine, group=self.group)
+        rows = gathered.view(self.world_size, total)
+        offset = 0
+        for p, n in zip(self.fsdp_params, numels, strict=True):  # copy-out
+            p.copy_out(rows, offset)
+            offset += n
+        for p in self.fsdp_params:
+            p.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Install the sharded parameters again and free the full buffers."""
+        if not self.is_unsharded:
+            return
+        for p in self.fsdp_params:
+            p.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    def reduce_scatter_grads(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+        """One reduce-scatter (average over ranks) of the chunk-concatenated full grads; each rank keeps its rows."""
+        reduce_dtype = params[0].reduce_dtype or grads[0].dtype
+        n = self.world_size
+        numels = [p.shard_numel for p in params]
+        total = sum(numels)
+        inp = torch.zeros(n, total, dtype=reduce_dtype, device=grads[0].device)
+        offset = 0
+        for p, g, m in zip(params, grads, numels, strict=True):  # chunk-cat copy-in (casts to reduce_dtype)
+            chunks = inp[:, offset: offset + m].view(n, p.padded_rows, *p.full_size[1:])
+            for r, chunk in enumerate(g.split(p.padded_rows)):  # rank r's rows (the last may be short)
+                chunks[r, : chunk.shape[0]].copy_(chunk)
+            offset += m
+        del grads
+        op, before, after = reduce_scatter_op(n, reduce_dtype)
+        if before is not None and before != 1:
+            inp.div_(before)
+        out = torch.empty(total, dtype=reduce_dtype, device=inp.device)
+        if n > 1:
+            self.comm.reduce_scatter(out, inp.view(-1), op=op, group=self.group)
+        else:
+            out.copy_(inp.view(-1))
+        if after is not None and after != 1:
+            out.div_(after)
+        offset = 0
+        for p, m in zip(params, numels, strict=True):  # split, unpad, back to the original dtype
+            rows = out[offset: offset + m].view(p.padded_rows, *p.full_size[1:])[: p.local_rows]
+            p.accumulate_sharded_grad(rows.to(p.orig_dtype))
+            offset += m
+
+    # ---------------------------------------------------------------- hooks' bodies
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        entering = self.training_state is not TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+        if entering and torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self) -> None:
+        if self.reshard_after_forward:
+            self.reshard()
+        if self.comm_ctx is not None:
+            self._post_forward_indices.append(len(self.comm_ctx.post_forward_order))
+            self.comm_ctx.post_forward_order.append(self)
+        self.training_state = TrainingState.IDLE
+
+    def pre_backward(self) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()  # a no-op when the forward kept it, or when a prefetch already gathered it
+        if self._post_forward_indices and self.comm_ctx is not None:
+            index = self._post_forward_indices.pop()
+            if index > 0:  # implicit prefetch: the group that ran forward just before this one
+                self.comm_ctx.post_forward_order[index - 1].unshard()
+
+    def post_backward(self) -> None:
+        """Reduce-scatter this group's gradients (or keep them, when not syncing) and reshard."""
+        self.training_state = TrainingState.POST_BACKWARD
+        for p in self.fsdp_params:
+            p.add_to_accumulated_grad()
+        if not self.reduce_grads:
+            if self.reshard_after_backward:
+                self.reshard()
+            for p in self.fsdp_params:
+                p.to_accumulated_grad()
+            return
+        with_grad, grads = [], []
+        for p in self.fsdp_params:
+            g = p.take_unsharded_grad()
+            if g is not None:
+                with_grad.append(p)
+                grads.append(g)
+        if self.reshard_after_backward:
+            self.reshard()
+        if with_grad:
+            self.reduce_scatter_grads(with_grad, grads)
+
+    def finish_backward(self) -> None:
+        """The root's end-of-backward callback: run a post-backward that autograd never triggered."""
+        if self.training_state is not TrainingState.POST_BACKWARD:
+            self.post_backward()
+        self.training_state = TrainingState.IDLE
+        self._post_forward_indices.clear()
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not where:  # e.g. token ids: the root's post-backward runs in the end-of-backward callback
+            return args, kwargs
+        outs = _PostBackward.apply(self, *(leaves[i] for i in where))
+        for i, t in zip(where, outs, strict=True):
+            leaves[i] = t
+        return torch.utils._pytree.tree_unflatten(leaves, spec)

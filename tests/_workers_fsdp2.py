@@ -1,0 +1,119 @@
+"""Workers for tests/test_fsdp2.py: our ``minifsdp.fsdp2.fully_shard`` beside torch's FSDP2 on one rank set.
+
+Each rank builds the same TinyGPT twice (same seed), shards one copy with ours and one with torch's
+``torch.distributed.fsdp.fully_shard`` (blocks, then the root, on ``init_device_mesh("cpu", (N,))``),
+trains both on the same batches with AdamW, and returns losses, every parameter's local shard (ours
+``to_local()``, torch's ``DTensor.to_local()``), full tensors, and the order of the collectives each
+issued (recorded by wrapping ``dist.all_gather_single`` / ``dist.reduce_scatter_single``, the calls
+torch's FSDP2 and our ``get_collectives("torch")`` both make).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import minifsdp.fsdp2.param_group as ours_param_group
+from minifsdp.fsdp2 import MixedPrecisionPolicy, fully_shard
+from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+
+
+@contextlib.contextmanager
+def record_collectives(log: list):
+    """Append (kind, numel, dtype) for each all-gather / reduce-scatter issued inside the block."""
+    saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def wrap(name, fn):
+        def recorded(output, input, *args, **kwargs):
+            log.append((name.split("_")[0] + "_" + name.split("_")[1], input.numel(), str(input.dtype)))
+            return fn(output, input, *args, **kwargs)
+        return recorded
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield log
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _shard(model, impl, case, mesh):
+    reshard = case.get("reshard_after_forward")
+    if impl == "ours":
+        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[case.get("param_dtype")],
+                                  reduce_dtype=_DTYPES[case.get("reduce_dtype")])
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
+        return fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+    mp = TorchMP(param_dtype=_DTYPES[case.get("param_dtype")], reduce_dtype=_DTYPES[case.get("reduce_dtype")])
+    for block in model.blocks:
+        torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    return torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def _train(model, case, rank, world):
+    cfg = model.cfg
+    corpus = CharCorpus(vocab_size=cfg.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, collectives = [], []
+    micro = case.get("accumulate", 1)
+    with record_collectives(collectives):
+        for step in range(case.get("steps", 3)):
+            for k in range(micro):
+                if micro > 1:
+                    model.set_requires_gradient_sync(k == micro - 1)
+                x, y = corpus.batch(step * micro + k, batch_size=2, block_size=cfg.block_size, rank=rank,
+                                    world_size=world)
+                loss = model(x, y)
+                loss.backward()
+                losses.append(loss.detach().float().item())
+            opt.step()
+            opt.zero_grad()
+    return losses, collectives
+
+
+def _locals(model) -> dict[str, torch.Tensor]:
+    return {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
+
+
+def parity(case: dict) -> dict:
+    """Ours and torch's FSDP2 trained side by side; ``case["fault"] == "no_divide"`` plants a bug in ours."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(**case.get("cfg", {}))
+    mesh = init_device_mesh("cpu", (world,))
+    result = {}
+    for impl in case.get("impls", ("torch", "ours")):
+        model = _shard(TinyGPT(cfg, seed=0), impl, case, mesh)
+        saved_op = ours_param_group.reduce_scatter_op
+        if impl == "ours" and case.get("fault") == "no_divide":  # sum instead of average
+            ours_param_group.reduce_scatter_op = lambda n, dtype: ("sum", None, None)
+        try:
+            losses, collectives = _train(model, case, rank, world)
+        finally:
+            ours_param_group.reduce_scatter_op = saved_op
+        result[impl] = {
+            "class": type(model).__name__,
+            "losses": losses,
+            "locals": _locals(model),
+            "full": {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()},
+            "collectives": collectives,
+            "grad_is_none": all(p.grad is None for p in model.parameters()),
+        }
+    return result
+
+
+def parity_cases(cases: dict[str, dict]) -> dict[str, dict]:
+    """Several :func:`parity` cases in one spawn (one mesh, one process start): name -> result."""
+    out = {}
+    for name, case in cases.items():
+        torch.manual_seed(0)
+        out[name] = parity(case)
+    return out

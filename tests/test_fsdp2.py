@@ -1,0 +1,131 @@
+"""Chapter 5: our per-parameter ``minifsdp.fsdp2.fully_shard`` against torch's FSDP2.
+
+Oracle: torch's ``torch.distributed.fsdp.fully_shard`` on ``init_device_mesh("cpu", (N,))``, applied the same
+way (each TinyGPT block, then the root), same seed, same batches, AdamW, 3 steps.  Compared on every rank:
+losses, every parameter's local shard (ours ``to_local()`` vs torch's ``DTensor.to_local()``: same unpadded
+rows), every ``full_tensor()``, the class (``FSDPTinyGPT``), and the order and sizes of the collectives.
+
+Tolerance: bitwise everywhere, bf16 included.  Both reduce-scatter with ``ReduceOp.AVG`` through
+``dist.reduce_scatter_single`` on the same chunk-concatenated buffer (torch picks AVG for fp32/bf16 reduce
+dtypes), gather the same bytes, and run the same forward ops on the same dtypes, so there is nothing to round
+differently.  The planted fault (a SUM where torch averages) shows the comparison can fail.
+
+Cases: world size 2 with TinyGPT's default widths (32, 96: N divides them), odd widths (33, 95, 99, 131 rows:
+uneven shards, padding), ``reshard_after_forward=False``, gradient accumulation
+(``set_requires_gradient_sync(False)`` then True), bf16 ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``; world size 3 (32 and 128 rows do not divide by 3).  One spawn per world size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minifsdp.fsdp2.param import chunk_rows, local_row_range
+from minifsdp.launch import spawn
+from tests._workers_fsdp2 import parity_cases
+
+ODD = {"vocab_size": 95, "n_embd": 33, "n_head": 3}
+CASES_2 = {
+    "default": {},
+    "odd": {"cfg": ODD},
+    "no_reshard": {"reshard_after_forward": False},
+    "accumulate": {"accumulate": 2},
+    "bf16": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
+    "fault": {"impls": ("ours",), "fault": "no_divide"},
+}
+CASES_3 = {"default": {}, "odd": {"cfg": ODD}}
+PARITY = ["default", "odd", "no_reshard", "accumulate", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    return spawn(parity_cases, (CASES_2,), world_size=2, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def ranks3():
+    return spawn(parity_cases, (CASES_3,), world_size=3, timeout_s=300)
+
+
+def _same_tensors(a: dict, b: dict) -> list[str]:
+    """Names whose tensors differ (shape, dtype or any bit); raises if the name lists differ."""
+    assert list(a) == list(b), (list(a), list(b))
+    return [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
+
+
+def _check_parity(result: dict) -> None:
+    t, o = result["torch"], result["ours"]
+    assert len(t["losses"]) == len(o["losses"]) > 0
+    assert t["losses"] == o["losses"]
+    assert _same_tensors(t["locals"], o["locals"]) == []
+    assert _same_tensors(t["full"], o["full"]) == []
+    assert o["class"] == t["class"] == "FSDPTinyGPT"
+    assert o["grad_is_none"] and t["grad_is_none"]
+
+
+@pytest.mark.parametrize("case", PARITY)
+def test_parity_with_torch_fsdp2_world_2(ranks2, case):
+    assert len(ranks2) == 2
+    for rank_result in ranks2:
+        _check_parity(rank_result[case])
+
+
+@pytest.mark.parametrize("case", PARITY)
+def test_collective_order_matches_torch(ranks2, case):
+    """Same all-gathers and reduce-scatters, same sizes and dtypes, same order (torch's recorded, not written)."""
+    for rank_result in ranks2:
+        t, o = rank_result[case]["torch"]["collectives"], rank_result[case]["ours"]["collectives"]
+        assert len(t) == len(o) > 0
+        assert t == o
+
+
+def test_order_shows_the_design(ranks2):
+    """What the recorded order says: the root's gather is kept from forward to backward (auto reshard), a
+    block is gathered again in backward, and one reduce-scatter per group; without resharding, no re-gather."""
+    per_step = len(ranks2[0]["default"]["torch"]["collectives"]) // 3
+    step = [kind for kind, _, _ in ranks2[0]["default"]["torch"]["collectives"][:per_step]]
+    assert step == ["all_gather"] * 5 + ["reduce_scatter"] * 3  # root, b0, b1, then b1, b0 again; 3 groups
+    step = [kind for kind, _, _ in ranks2[0]["no_reshard"]["torch"]["collectives"][:per_step]]
+    assert step[:3] == ["all_gather"] * 3 and step[3:6] == ["reduce_scatter"] * 3
+    dtypes = {(kind, dtype) for kind, _, dtype in ranks2[0]["bf16"]["ours"]["collectives"]}
+    assert dtypes == {("all_gather", "torch.bfloat16"), ("reduce_scatter", "torch.float32")}
+
+
+def test_odd_widths_shard_unevenly(ranks2):
+    """Rank 0 holds ceil(d0/2) rows, rank 1 the rest, as torch's; the padding never shows."""
+    r0, r1 = ranks2[0]["odd"]["ours"]["locals"], ranks2[1]["odd"]["ours"]["locals"]
+    w0, w1 = r0["tok_emb.weight"], r1["tok_emb.weight"]
+    assert (w0.shape[0], w1.shape[0]) == (48, 47)
+    full = ranks2[0]["odd"]["ours"]["full"]["tok_emb.weight"]
+    assert full.shape == (95, 33) and torch.equal(full, torch.cat([w0, w1]))
+
+
+def test_a_planted_fault_is_caught(ranks2):
+    """Summing instead of averaging the gradients: the losses after step 1 and every shard differ from torch's."""
+    for rank_result in ranks2:
+        t, bad = rank_result["default"]["torch"], rank_result["fault"]["ours"]
+        assert t["losses"][0] == bad["losses"][0]  # the first forward is before any update
+        assert t["losses"][1:] != bad["losses"][1:]
+        assert len(_same_tensors(t["locals"], bad["locals"])) == len(t["locals"])
+
+
+@pytest.mark.parametrize("case", list(CASES_3))
+def test_parity_with_torch_fsdp2_world_3(ranks3, case):
+    assert len(ranks3) == 3
+    for rank_result in ranks3:
+        _check_parity(rank_result[case])
+        t, o = rank_result[case]["torch"]["collectives"], rank_result[case]["ours"]["collectives"]
+        assert len(t) == len(o) > 0 and t == o
+
+
+@pytest.mark.parametrize("d0", [1, 2, 5, 31, 32, 33, 95, 128])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_rows_per_rank_follow_torch_chunk(d0, n):
+    """Our row ranges are ``torch.chunk``'s (the rule DTensor's Shard(0) uses), with empty ranks at the end."""
+    chunks = torch.arange(d0).chunk(n)
+    for r in range(n):
+        start, end = local_row_range(d0, n, r)
+        expected = chunks[r].tolist() if r < len(chunks) else []
+        assert list(range(start, end)) == expected
+    assert chunk_rows(d0, n) * n >= d0
