@@ -89,6 +89,11 @@ def _mlp_case(mesh, x, target, optim=None, fault=None, ours_on=None, zero_row_bi
         if "g" in saved:
             tp._ReduceFromTensorParallel.forward = saved["g"]
     res["grad_ours"], res["grad_torch"] = _grads(ours), _grads(theirs)
+    with torch.no_grad():  # torch's order for the row-parallel bias, redone by hand: b / N added before the sum
+        fc2 = ours.net[4]
+        partial = torch.nn.functional.linear(ours.net[:4](x), fc2.weight, fc2.bias / dist.get_world_size())
+        dist.all_reduce(partial)
+        res["torch_order_out"] = partial
     res["full_grad_ours"] = _full_grads(ours) if fault is None else None
     res["full_param_ours"] = {n: tp.full_tensor(p).clone() for n, p in ours.named_parameters()}
     if optim is not None:

@@ -39,7 +39,15 @@ Note (where the weights come from): every rank slices its own full copy, so ever
 same model (the project's models are seeded).  torch instead scatters rank 0's copy (``src_data_rank=0``).
 
 Note (bias of a row-parallel layer): it is kept whole on every rank and added once, after the all-reduce
-(Megatron's order).  Adding it before would count it N times.
+(Megatron's order).  Adding it whole before would count it N times; torch's DTensor adds ``b / N`` on each
+rank before the all-reduce, which is the same sum in another order (the tests measure the last-bit difference).
+
+Where we differ from torch on purpose (each is a line to diff):
+  * parameters are plain tensors, not DTensors (above); ``full_tensor(p)`` for ``p.full_tensor()``;
+  * ``ColwiseParallel(chunks=3)`` cuts a fused q/k/v projection by heads; torch has no such option;
+  * no ``input_layouts`` / ``output_layouts`` / ``use_local_output``: colwise takes a whole input and returns
+    its local columns, rowwise takes local columns and returns the whole output (torch's defaults);
+  * ``nn.Linear`` only (torch also cuts ``nn.Embedding``), and no ``SequenceParallel``.
 """
 
 from __future__ import annotations
@@ -143,9 +151,8 @@ def full_tensor(tensor: torch.Tensor, shard: TPShard | None = None) -> torch.Ten
     shard = shard if shard is not None else getattr(tensor, "tp_shard", None)
     if shard is None:
         return tensor.detach()
-    param = tensor
-    pieces = [torch.empty_like(param) for _ in range(shard.world)]
-    dist.all_gather(pieces, param.detach().contiguous(), group=shard.group)
+    pieces = [torch.empty_like(tensor) for _ in range(shard.world)]
+    dist.all_gather(pieces, tensor.detach().contiguous(), group=shard.group)
     per_rank = [p.chunk(shard.chunks, dim=shard.dim) for p in pieces]
     blocks = [torch.cat([per_rank[r][c] for r in range(shard.world)], dim=shard.dim) for c in range(shard.chunks)]
     return torch.cat(blocks, dim=shard.dim)
@@ -175,6 +182,11 @@ class ParallelStyle:
             )
 
 
+def _colwise_pre_hook(module: nn.Linear, args: tuple) -> tuple:
+    """Before a column-parallel Linear: its input goes through f (the gradient's all-reduce)."""
+    return (copy_to_tensor_parallel(args[0], module.weight.tp_shard.group), *args[1:])
+
+
 class ColwiseParallel(ParallelStyle):
     """Cut a Linear's weight by output rows (``Shard(0)``) and its bias alike; the input stays whole.
 
@@ -200,7 +212,7 @@ class ColwiseParallel(ParallelStyle):
         _shard_parameter(module, "weight", 0, self.chunks, group)
         if module.bias is not None:
             _shard_parameter(module, "bias", 0, self.chunks, group)
-        module.register_forward_pre_hook(lambda mod, args: (copy_to_tensor_parallel(args[0], group), *args[1:]))
+        module.register_forward_pre_hook(_colwise_pre_hook)
         return module
 
     def __repr__(self) -> str:
@@ -226,7 +238,6 @@ class RowwiseParallel(ParallelStyle):
     def _apply(self, module: nn.Module, fqn: str, group) -> nn.Module:
         self._validate(module, fqn, group)
         _shard_parameter(module, "weight", 1, 1, group)
-
         module.forward = types.MethodType(_rowwise_forward, module)  # found before the class's forward
         return module
 
