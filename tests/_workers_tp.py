@@ -181,6 +181,12 @@ def _errors(mesh) -> dict[str, str]:
         except (ValueError, TypeError) as e:
             msgs[name] = f"{type(e).__name__}: {e}"
             assert before == {n: p.shape for n, p in model.named_parameters()}, f"{name}: changed before raising"
+    try:  # a 2-D mesh (1 x 2) must be narrowed to its tensor-parallel dimension first
+        tp.parallelize_module(MLP((16, 32, 8)), init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")),
+                              {"net.0": tp.ColwiseParallel()})
+        msgs["mesh_2d"] = "ok"
+    except ValueError as e:
+        msgs["mesh_2d"] = f"ValueError: {e}"
     return msgs
 
 

@@ -200,6 +200,7 @@ def test_errors_name_the_layer_the_width_and_the_group_size(res):
     assert "out_features=9 in 3 fused blocks of 3" in e["fused_odd"] and "multiple of 6" in e["fused_odd"]
     assert e["missing_key"].startswith("ValueError") and "'fc1' names no submodule" in e["missing_key"]
     assert e["not_linear"].startswith("TypeError") and "ReLU" in e["not_linear"]
+    assert e["mesh_2d"].startswith("ValueError") and "1-D mesh, got 2-D (1, 2)" in e["mesh_2d"]
     assert res[1]["errors"] == e
 
 
