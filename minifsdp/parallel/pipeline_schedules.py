@@ -1,0 +1,164 @@
+"""Chapters 1 and 4.4: pipeline schedules, GPipe and 1F1B, mirroring ``torch.distributed.pipelining``'s.
+
+A schedule decides in which order each stage runs the forwards (F) and backwards (B) of the micro-batches.
+Every rank builds the same schedule around its own :class:`~minifsdp.parallel.pipelining.PipelineStage` and
+calls ``step`` with the whole batch, as torch's::
+
+    if stage.is_first:   schedule.step(x)                          # x: (B, ...), cut into M micro-batches
+    elif stage.is_last:  out = schedule.step(target=y, losses=losses)  # losses: one per micro-batch
+    else:                schedule.step()
+
+GPipe (fill, then drain), 3 stages, 4 micro-batches, one time unit per F or B ('.' is idle)::
+
+    stage 0: F0  F1  F2  F3  .   .   .   .   B0  B1  B2  B3
+    stage 1: .   F0  F1  F2  F3  .   .   B0  B1  B2  B3  .
+    stage 2: .   .   F0  F1  F2  F3  B0  B1  B2  B3  .   .
+             every stage holds the activations of all 4 micro-batches before its first B
+
+1F1B (one forward, one backward), same sizes: S-1-s warm-up forwards on stage s, then F and B in turn::
+
+    stage 0: F0  F1  F2  .   .   B0  F3  B1  .   B2  .   B3
+    stage 1: .   F0  F1  .   B0  F2  B1  F3  B2  .   B3  .
+    stage 2: .   .   F0  B0  F1  B1  F2  B2  F3  B3  .   .
+             stage s holds at most S - s micro-batches (here 3, 2, 1) instead of M
+
+Both leave the same share idle, the bubble (S-1)/(M+S-1) = 2/6 here (``bubble_fraction``); only more
+micro-batches M shrink it.  The pictures are ``format_timeline(simulate_timeline("gpipe", 3, 4))``.
+
+Note (loss and gradient scale, as torch's): the last stage computes ``loss_fn(output_m, target_m)`` per
+micro-batch and backwards each one unscaled; the gradients add up across micro-batches in ``.grad``, and after
+the last backward every stage divides its ``.grad`` by M once (``scale_grads=True``, torch's default).  With a
+mean-reduced loss and equal micro-batches this is the gradient of the whole batch's mean loss; summation order
+differs from one big backward, so it matches the unsharded model to rounding, and torch's schedule bitwise.
+The division touches whatever ``.grad`` held before the step too, as torch's does: zero the gradients between
+steps.  ``losses`` receives the M unscaled per-micro-batch losses.
+
+Note (where we differ from torch on purpose): the batch must divide evenly into micro-batches (torch uses
+``tensor_split`` and accepts uneven ones, which weights the micro-batch means unequally); a stage exchanges one
+tensor with each neighbour; torch fuses a send with the next receive into one ``batch_isend_irecv`` while we
+post every send with ``isend`` and block on each receive, which gives the same order of computation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from minifsdp.parallel.pipelining import PipelineStage, action_order
+
+__all__ = ["ScheduleGPipe", "Schedule1F1B", "PipelineScheduleSingle"]
+
+
+class PipelineScheduleSingle:
+    """A schedule for one stage per rank: cut the batch, run this stage's :func:`action_order`, scale the grads.
+
+    Args:
+        stage: this rank's :class:`PipelineStage`.
+        n_microbatches: M, the number of micro-batches a batch is cut into (along dim 0).
+        loss_fn: ``loss_fn(output, target)`` on the last stage; None runs forwards only.
+        scale_grads: divide the accumulated gradients by M after the step (torch's default, True).
+    """
+
+    schedule_name = ""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable | None = None,
+                 scale_grads: bool = True):
+        if not isinstance(stage, PipelineStage):
+            raise TypeError(f"stage must be a minifsdp PipelineStage, got {type(stage).__name__}")
+        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+        self._stage = stage
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self._has_backward = loss_fn is not None
+        self.scale_grads = scale_grads
+        self._num_stages = stage.num_stages
+
+    def order(self) -> list[str]:
+        """The actions this stage runs in one step, in order (``["F0", "F1", ..., "B0", ...]``)."""
+        order = action_order(self.schedule_name, self._stage.stage_index, self._num_stages, self._n_microbatches)
+        return order if self._has_backward else [a for a in order if a[0] == "F"]
+
+    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+        """Run one step on the whole batch: ``step(x)`` on the first stage, ``step(target=y, losses=l)`` on the
+        last, ``step()`` in between.  Returns the last stage's outputs (all micro-batches, concatenated along
+        dim 0), None elsewhere.
+        """
+        stage, M = self._stage, self._n_microbatches
+        if kwargs:
+            raise TypeError(f"step() got keyword arguments {sorted(kwargs)}: stages take one positional input")
+        if stage.is_first:
+            if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+                raise ValueError(f"step() on the first stage takes the batch: schedule.step(x), got {len(args)} "
+                                 "positional arguments")
+            x_mbs = self._split(args[0], "input")
+        elif args:
+            raise ValueError(f"step() got an input on stage {stage.stage_index}, which is not the first stage: "
+                             f"it receives its input from stage {stage.stage_index - 1}; call schedule.step()"
+                             + (" or step(target=..., losses=...) on the last stage" if stage.is_last else ""))
+        else:
+            x_mbs = [None] * M
+        target_mbs = None
+        if stage.is_last and self._has_backward:
+            if target is None:
+                raise ValueError("step() on the last stage needs the target for loss_fn: "
+                                 "schedule.step(target=y, losses=losses)")
+            target_mbs = self._split(target, "target")
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("step() runs a backward: do not call it under torch.no_grad()")
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list, got {type(losses).__name__}")
+
+        stage.clear_runtime_states()
+        internal_losses: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        for action in self.order():
+            kind, m = action[0], int(action[1:])
+            if kind == "F":
+                out = stage.forward_one_chunk(m, x_mbs[m])
+                if stage.is_last:
+                    outputs[m] = out.detach()  # keep no graph alive beyond the micro-batch's backward
+                    if target_mbs is not None:
+                        internal_losses[m] = self._loss_fn(out, target_mbs[m])
+            else:
+                stage.backward_one_chunk(m, loss=internal_losses.get(m))
+        stage.wait_sends()
+        if self._has_backward and self.scale_grads:
+            stage.scale_grads(M)
+        if stage.is_last and losses is not None and target_mbs is not None:
+            losses.clear()
+            losses.extend(internal_losses[m] for m in sorted(internal_losses))
+        if stage.is_last:
+            return torch.cat([outputs[m] for m in sorted(outputs)])
+        return None
+
+    def _split(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        M = self._n_microbatches
+        if t.dim() == 0 or t.shape[0] % M != 0:
+            raise ValueError(f"the {what}'s batch dimension ({tuple(t.shape)[:1]}) must divide into "
+                             f"n_microbatches={M} equal micro-batches along dim 0")
+        return list(t.chunk(M, dim=0))
+
+
+class ScheduleGPipe(PipelineScheduleSingle):
+    """GPipe (Huang et al. 2019): all forwards of the micro-batches, then all their backwards (fill, drain)."""
+
+    schedule_name = "gpipe"
+
+
+class Schedule1F1B(PipelineScheduleSingle):
+    """1F1B (PipeDream-flush, Narayanan et al. 2021): warm up, then alternate one forward and one backward.
+
+    Stage s runs S-1-s forwards, then F and B in turn, then the remaining backwards; it never holds more than
+    S - s micro-batches.  As torch's, it needs n_microbatches >= num_stages.
+    """
+
+    schedule_name = "1f1b"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable | None = None,
+                 scale_grads: bool = True):
+        super().__init__(stage, n_microbatches, loss_fn, scale_grads)
+        if n_microbatches < self._num_stages:
+            raise ValueError(f"Schedule1F1B needs n_microbatches ({n_microbatches}) >= the number of stages "
+                             f"({self._num_stages}), as torch's")

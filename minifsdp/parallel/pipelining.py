@@ -1,0 +1,288 @@
+"""Chapters 1 and 4.4: a pipeline stage built on point-to-point messages (torch's ``PipelineStage``, from scratch).
+
+Pipeline parallelism cuts a model into consecutive pieces, one per rank.  Rank ``s`` holds *stage* ``s``;
+a batch is cut along dim 0 into micro-batches, and each micro-batch flows through the stages: activations go
+forward (stage s -> s+1), gradients of those activations come back (stage s+1 -> s).  Nothing else moves:
+no parameter or gradient is ever communicated, only the tensors at the cut::
+
+         stage 0 (rank 0)             stage 1 (rank 1)                 stage 2 (rank 2)
+    x -> [ layers 0..k ] --act(B/M,..)--> [ layers k+1..j ] --act--> [ layers j+1.. ] -> loss_fn(out, y)
+                         <--grad of act--                 <--grad--
+
+This module holds the stage (what one rank owns and how it talks to its neighbours) and the helpers that
+describe a schedule; the schedules themselves (GPipe, 1F1B) are in ``pipeline_schedules.py``.
+
+Names and call signatures mirror ``torch.distributed.pipelining`` so a student can diff the two:
+``PipelineStage(submodule, stage_index, num_stages, device, group=None)`` with ``forward_one_chunk`` /
+``backward_one_chunk`` / ``scale_grads``, as torch's.
+
+Note (messages): a forward message is a small int64 header ``[dtype code, ndim, d0, d1, ...]`` then the
+activation itself, both sent with ``dist.isend`` to the next stage's rank, received with a blocking
+``dist.recv``.  The backward message is the gradient of that activation, whose shape the sender already
+knows, so it needs no header.  torch instead infers the shapes once before the first step ("metadata
+inference", a forward on the first micro-batch plus object messages); a header per message is simpler to read
+and costs 64 bytes.  One tensor crosses each cut; tuple outputs are not supported (torch allows them).
+
+Note (recorded actions): every stage records what it did, in order, as ``stage.actions`` (``["F0", "F1",
+"B0", ...]``) and with wall-clock times (``time.time()``, comparable across processes of one machine) in
+``stage.events`` as ``(action, start, end)`` covering the computation only, not the waiting for a neighbour.
+:func:`measured_bubble_fraction` turns the events of all stages into the idle share, to set beside
+:func:`bubble_fraction`.  ``stage.peak_in_flight`` is the most micro-batches whose activations this stage held
+at once and ``stage.peak_activation_bytes`` the bytes autograd had saved for them at that point (parameters
+excluded), measured with ``torch.autograd.graph.saved_tensors_hooks``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["PipelineStage", "bubble_fraction", "measured_bubble_fraction", "action_order", "simulate_timeline",
+           "format_timeline"]
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool]
+_HEADER_LEN = 8  # dtype code, ndim, up to 6 dims
+
+
+class PipelineStage:
+    """One rank's piece of the pipeline: ``submodule`` is stage ``stage_index`` of ``num_stages``.
+
+    Args:
+        submodule: the layers of this stage; its forward takes one tensor and returns one tensor
+            (the first stage takes the model's input, the last returns what ``loss_fn`` reads).
+        stage_index: this stage's place, 0 .. num_stages-1; it is also this rank's rank in ``group``.
+        num_stages: the number of stages; must equal the size of ``group`` (one stage per rank, as torch's
+            single-stage schedules ``ScheduleGPipe`` / ``Schedule1F1B``).
+        device: where the stage computes and where received tensors are placed.
+        group: the pipeline's process group (default: the world); stage ``i`` talks to group ranks i-1, i+1.
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device, group=None):
+        if not isinstance(submodule, nn.Module):
+            raise TypeError(f"submodule must be an nn.Module, got {type(submodule).__name__}")
+        if num_stages < 1 or not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index={stage_index} is not in 0..num_stages-1 (num_stages={num_stages})")
+        self.group = group if group is not None else dist.group.WORLD
+        group_size = dist.get_world_size(self.group)
+        if group_size != num_stages:
+            raise ValueError(f"num_stages={num_stages} but the pipeline group has {group_size} ranks: this "
+                             "implementation (like torch's single-stage schedules) puts one stage on each rank")
+        group_rank = dist.get_rank(self.group)
+        if group_rank != stage_index:
+            raise ValueError(f"stage_index={stage_index} created on group rank {group_rank}: stage i must live "
+                             "on rank i of the pipeline group")
+        self.submod = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device)
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.prev_rank = None if self.is_first else dist.get_global_rank(self.group, stage_index - 1)
+        self.next_rank = None if self.is_last else dist.get_global_rank(self.group, stage_index + 1)
+        self.actions: list[str] = []
+        self.events: list[tuple[str, float, float]] = []
+        self.clear_runtime_states()
+
+    # ---- one micro-batch forward / backward -------------------------------------------------------------
+    def forward_one_chunk(self, chunk_id: int, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward micro-batch ``chunk_id``: take ``x`` (first stage) or receive it, run, send the output on.
+
+        The received activation becomes a leaf with ``requires_grad=True`` so that the backward can hand
+        its gradient back to the previous stage.  Returns this stage's output for the micro-batch.
+        """
+        if chunk_id in self._cache:
+            raise RuntimeError(f"stage {self.stage_index}: micro-batch {chunk_id} was already forwarded this step")
+        if self.is_first:
+            if x is None:
+                raise ValueError("the first stage needs its micro-batch input")
+            inp = x.to(self.device)
+        else:
+            inp = self._recv_activation()
+            if inp.is_floating_point():
+                inp.requires_grad_(True)
+        saved = [0]
+        param_storages = {p.untyped_storage().data_ptr() for p in self.submod.parameters()}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in param_storages:
+                saved[0] += t.numel() * t.element_size()
+            return t
+
+        start = time.time()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.submod(inp)
+        end = time.time()
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"stage {self.stage_index} returned {type(out).__name__}: a stage must return one "
+                            "tensor (the activation sent to the next stage, or the last stage's output)")
+        self._record(f"F{chunk_id}", start, end)
+        self._cache[chunk_id] = (inp, out, saved[0])
+        self._bytes_in_flight += saved[0]
+        self.peak_in_flight = max(self.peak_in_flight, len(self._cache))
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self._bytes_in_flight)
+        if not self.is_last:
+            self._send_activation(out.detach())
+        return out
+
+    def backward_one_chunk(self, chunk_id: int, loss: torch.Tensor | None = None) -> None:
+        """Backward micro-batch ``chunk_id``: from ``loss`` (last stage) or from the received output gradient.
+
+        Parameter gradients accumulate into ``.grad`` across micro-batches (autograd adds); the gradient of
+        this stage's input is sent to the previous stage.
+        """
+        if chunk_id not in self._cache:
+            raise RuntimeError(f"stage {self.stage_index}: backward of micro-batch {chunk_id} before its forward")
+        inp, out, nbytes = self._cache.pop(chunk_id)
+        if self.is_last:
+            if loss is None:
+                raise ValueError("the last stage's backward needs the micro-batch's loss")
+            roots, grads = [loss], None
+        else:
+            grad_out = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+            dist.recv(grad_out, src=self.next_rank, group=self.group)
+            roots, grads = [out], [grad_out]
+        start = time.time()
+        torch.autograd.backward(roots, grad_tensors=grads)
+        end = time.time()
+        self._record(f"B{chunk_id}", start, end)
+        self._bytes_in_flight -= nbytes
+        if not self.is_first and inp.requires_grad:
+            self._isend(inp.grad)
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """Divide every ``.grad`` of the stage by ``grad_scale_factor`` (as torch's: once, after the last backward)."""
+        if grad_scale_factor != 1:
+            for p in self.submod.parameters():
+                if p.grad is not None:
+                    p.grad.div_(grad_scale_factor)
+
+    def clear_runtime_states(self) -> None:
+        """Forget the last step's cached micro-batches, records and pending sends (called at each step's start)."""
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._pending: list[tuple[object, torch.Tensor]] = []
+        self._bytes_in_flight = 0
+        self.peak_in_flight = 0
+        self.peak_activation_bytes = 0
+        self.output_chunks: list[torch.Tensor] = []
+        self.actions = []
+        self.events = []
+
+    def wait_sends(self) -> None:
+        """Wait for every ``isend`` this step started (their buffers must live until then)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches forwarded but not yet backwarded on this stage."""
+        return len(self._cache)
+
+    # ---- messages ----------------------------------------------------------------------------------------
+    def _record(self, action: str, start: float, end: float) -> None:
+        self.actions.append(action)
+        self.events.append((action, start, end))
+
+    def _isend(self, t: torch.Tensor, dst: int | None = None) -> None:
+        t = t.contiguous()
+        dst = self.prev_rank if dst is None else dst
+        self._pending.append((dist.isend(t, dst=dst, group=self.group), t))
+
+    def _send_activation(self, act: torch.Tensor) -> None:
+        if act.dtype not in _DTYPES or act.dim() > _HEADER_LEN - 2:
+            raise TypeError(f"stage {self.stage_index}: cannot send an activation of dtype {act.dtype} "
+                            f"and {act.dim()} dims (supported: {_DTYPES}, at most {_HEADER_LEN - 2} dims)")
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(act.dtype), act.dim()
+        header[2:2 + act.dim()] = torch.tensor(act.shape, dtype=torch.int64)
+        self._isend(header.to(self.device), dst=self.next_rank)
+        self._isend(act, dst=self.next_rank)
+
+    def _recv_activation(self) -> torch.Tensor:
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=self.prev_rank, group=self.group)
+        header = header.cpu().tolist()
+        dtype, ndim = _DTYPES[header[0]], header[1]
+        act = torch.empty(header[2:2 + ndim], dtype=dtype, device=self.device)
+        dist.recv(act, src=self.prev_rank, group=self.group)
+        return act
+
+
+# ---- schedules as orders of actions, and what they cost -------------------------------------------------
+def action_order(schedule: str, stage_index: int, num_stages: int, n_microbatches: int) -> list[str]:
+    """The order in which stage ``stage_index`` runs its forwards (F) and backwards (B) under ``schedule``.
+
+    ``"gpipe"``: all forwards, then all backwards.  ``"1f1b"``: ``num_stages - stage_index - 1`` warm-up
+    forwards, then one forward and one backward in turn, then the remaining backwards (cool-down).
+    """
+    S, M, i = num_stages, n_microbatches, stage_index
+    if schedule == "gpipe":
+        return [f"F{m}" for m in range(M)] + [f"B{m}" for m in range(M)]
+    if schedule == "1f1b":
+        warmup = min(M, S - i - 1)
+        order = [f"F{m}" for m in range(warmup)]
+        for m in range(M - warmup):
+            order += [f"F{warmup + m}", f"B{m}"]
+        return order + [f"B{m}" for m in range(M - warmup, M)]
+    raise ValueError(f"unknown schedule {schedule!r}: 'gpipe' or '1f1b'")
+
+
+def bubble_fraction(num_stages: int, n_microbatches: int) -> float:
+    """The idle share of a stage's time in GPipe and in 1F1B when F and B take one unit each: (S-1)/(M+S-1).
+
+    Each stage works 2M units out of 2(M+S-1): it waits S-1 units before its first forward and S-1 units
+    after its last backward (mirror images).  1F1B has the same bubble; what it saves is memory (at most
+    S - stage_index micro-batches in flight instead of M).
+    """
+    return (num_stages - 1) / (n_microbatches + num_stages - 1)
+
+
+def measured_bubble_fraction(events_per_stage: list[list[tuple[str, float, float]]]) -> float:
+    """The idle share measured from every stage's ``events``: 1 - busy / (stages x span of the whole step).
+
+    The span runs from the first stage's first start to the last end anywhere (``time.time()`` stamps of
+    processes on one machine share a clock).
+    """
+    spans = [e for events in events_per_stage for e in events]
+    if not spans:
+        raise ValueError("no events recorded")
+    span = max(e[2] for e in spans) - min(e[1] for e in spans)
+    busy = sum(e[2] - e[1] for e in spans)
+    return 1.0 - busy / (len(events_per_stage) * span)
+
+
+def simulate_timeline(schedule: str, num_stages: int, n_microbatches: int) -> list[list[str | None]]:
+    """Each stage's time slots when every F and B takes one unit: a list per stage of action names or None (idle).
+
+    A stage runs its :func:`action_order` one by one, each as soon as its input is there: F(s, m) after
+    F(s-1, m); B(s, m) after B(s+1, m) (the last stage's after its own F(m)).
+    """
+    S = num_stages
+    orders = [action_order(schedule, s, S, n_microbatches) for s in range(S)]
+    done: dict[tuple[int, str], int] = {}  # (stage, action) -> slot in which it ran
+    nxt, free, slots = [0] * S, [0] * S, [[] for _ in range(S)]
+    while any(nxt[s] < len(orders[s]) for s in range(S)):
+        progressed = False
+        for s in range(S):
+            if nxt[s] == len(orders[s]):
+                continue
+            a = orders[s][nxt[s]]
+            dep = (s - 1, a) if a[0] == "F" and s > 0 else (s + 1, a) if a[0] == "B" and s < S - 1 else None
+            if dep is not None and dep not in done:
+                continue
+            t = max(free[s], done[dep] + 1 if dep else 0)
+            slots[s] += [None] * (t - len(slots[s])) + [a]
+            done[(s, a)], free[s], nxt[s] = t, t + 1, nxt[s] + 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule!r} deadlocks: {[orders[s][nxt[s]:] for s in range(S)]}")
+    width = max(len(row) for row in slots)
+    return [row + [None] * (width - len(row)) for row in slots]
+
+
+def format_timeline(slots: list[list[str | None]]) -> str:
+    """ASCII rows ``stage s: F0 F1 .. B0`` of :func:`simulate_timeline`'s slots ('.' is idle)."""
+    return "\n".join(f"stage {s}: " + " ".join(f"{a or '.':<3}" for a in row).rstrip() for s, row in enumerate(slots))
