@@ -46,6 +46,9 @@ def record_collectives(log: list):
 
 
 def _shard(model, impl, case, mesh):
+    for name, p in model.named_parameters():
+        if name.startswith(tuple(case.get("freeze", ()))):
+            p.requires_grad_(False)
     reshard = case.get("reshard_after_forward")
     if impl == "ours":
         mp = MixedPrecisionPolicy(param_dtype=_DTYPES[case.get("param_dtype")],
@@ -106,8 +109,29 @@ def parity(case: dict) -> dict:
             "full": {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()},
             "collectives": collectives,
             "grad_is_none": all(p.grad is None for p in model.parameters()),
+            "buffers": {name: b.clone() for name, b in model.named_buffers()},
+            "requires_grad": [p.requires_grad for p in model.parameters()],
         }
+        if case.get("api"):
+            result[impl].update(_api(model, cfg, rank, world))
     return result
+
+
+def _local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _api(model, cfg, rank, world) -> dict:
+    """After training: eval forward under no_grad, then ``unshard()`` / ``reshard()`` by hand."""
+    x, _ = CharCorpus(vocab_size=cfg.vocab_size).batch(99, 2, cfg.block_size, rank, world)
+    with torch.no_grad():
+        logits = model(x)
+    model.unshard()
+    gathered = {name: (tuple(_local(p).shape), type(p).__name__, _local(p).detach().clone())
+                for name, p in model.named_parameters()}
+    model.reshard()
+    after = {name: (tuple(_local(p).shape), tuple(p.shape)) for name, p in model.named_parameters()}
+    return {"eval_logits": logits, "unsharded": gathered, "resharded_shapes": after}
 
 
 def parity_cases(cases: dict[str, dict]) -> dict[str, dict]:

@@ -33,9 +33,10 @@ CASES_2 = {
     "accumulate": {"accumulate": 2},
     "bf16": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
     "fault": {"impls": ("ours",), "fault": "no_divide"},
+    "frozen": {"freeze": ["ln_f", "blocks.0.ln1", "blocks.1.attn.qkv.bias"], "api": True},
 }
 CASES_3 = {"default": {}, "odd": {"cfg": ODD}}
-PARITY = ["default", "odd", "no_reshard", "accumulate", "bf16"]
+PARITY = ["default", "odd", "no_reshard", "accumulate", "bf16", "frozen"]
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +130,44 @@ def test_rows_per_rank_follow_torch_chunk(d0, n):
         expected = chunks[r].tolist() if r < len(chunks) else []
         assert list(range(start, end)) == expected
     assert chunk_rows(d0, n) * n >= d0
+
+
+def test_frozen_parameters_buffers_and_names(ranks2):
+    """Frozen parameters stay frozen and sharded (no gradient, not updated); the causal-mask buffers stay
+    whole and equal on every rank (replicated); ``named_parameters()`` keeps the original names, as torch's."""
+    for rank_result in ranks2:
+        t, o = rank_result["frozen"]["torch"], rank_result["frozen"]["ours"]
+        assert o["requires_grad"] == t["requires_grad"] and o["requires_grad"].count(False) == 5
+        assert _same_tensors(t["buffers"], o["buffers"]) == []
+        assert all(b.shape == (1, 1, 32, 32) for b in o["buffers"].values()) and len(o["buffers"]) == 2
+        assert "lm_head.weight" not in o["locals"] and "tok_emb.weight" in o["locals"]  # tied: listed once
+    frozen_local = ranks2[0]["frozen"]["ours"]["locals"]["ln_f.weight"]
+    assert torch.equal(frozen_local, torch.ones(16))  # LayerNorm's initial weight, rank 0's half, never updated
+
+
+def test_unshard_reshard_and_eval_forward(ranks2):
+    """``model.unshard()`` puts the full parameters of the root's group on the modules (the blocks' stay
+    sharded: unshard is per module, as torch's); ``reshard()`` puts the local rows back; an eval forward under
+    ``no_grad`` gives torch's logits bitwise.
+
+    The one difference on purpose: torch's sharded parameter is a DTensor whose ``.shape`` is the *global*
+    shape (its rows live in ``to_local()``); ours is a ``ShardedParameter`` whose ``.shape`` is the local rows.
+    """
+    kinds = {"DTensor": "ShardedParameter", "Parameter": "Parameter"}
+    for rank_result in ranks2:
+        t, o = rank_result["frozen"]["torch"], rank_result["frozen"]["ours"]
+        assert torch.equal(t["eval_logits"], o["eval_logits"])
+        assert list(t["unsharded"]) == list(o["unsharded"])
+        for name, (shape, kind, value) in o["unsharded"].items():
+            t_shape, t_kind, t_value = t["unsharded"][name]
+            assert (shape, kind) == (t_shape, kinds[t_kind]), name
+            assert torch.equal(value, t_value), name
+        assert o["unsharded"]["tok_emb.weight"][:2] == ((96, 32), "Parameter")
+        assert o["unsharded"]["blocks.0.ln1.weight"][:2] == ((16,), "ShardedParameter")
+        assert len(o["resharded_shapes"]) == len(t["resharded_shapes"]) > 0
+        for name, (local, shape) in o["resharded_shapes"].items():
+            t_local, t_shape = t["resharded_shapes"][name]
+            assert local == t_local == shape, name  # ours: .shape is the local rows
+            assert t_shape[1:] == local[1:] and t_shape[0] >= local[0], name  # torch's: the global shape
+        assert o["resharded_shapes"]["tok_emb.weight"] == ((48, 32), (48, 32))
+        assert t["resharded_shapes"]["tok_emb.weight"] == ((48, 32), (96, 32))

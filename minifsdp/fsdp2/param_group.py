@@ -169,7 +169,7 @@ class FSDPParamGroup:
     def post_forward(self) -> None:
         if self.reshard_after_forward:
             self.reshard()
-        if self.comm_ctx is not None:
+        if self.comm_ctx is not None and torch.is_grad_enabled():  # no backward follows a no-grad forward
             self._post_forward_indices.append(len(self.comm_ctx.post_forward_order))
             self.comm_ctx.post_forward_order.append(self)
         self.training_state = TrainingState.IDLE
