@@ -1,0 +1,186 @@
+"""The book in a real browser: JupyterLab serving the notebooks, driven by Playwright and Chromium.
+
+nbval checks what the notebooks *print*; it never draws them.  This checks what a learner sees:
+
+* every notebook opens in JupyterLab with its Chinese chapter heading drawn in a real CJK font (not
+  the empty boxes a machine without one shows), and every committed plot image decodes;
+* a widget works: notebook 02's ring slider, run in the browser's own kernel, redraws the ring when
+  the slider moves.
+
+Needs the system packages ``chromium`` and ``fonts-noto-cjk`` (Debian/Ubuntu:
+``apt-get install -y chromium fonts-noto-cjk``; CI installs them) and ``playwright`` (test extra;
+its own browser download is not used: we launch the system Chromium).  Without them the module is
+skipped, and says which is missing.
+
+The notebooks are copied to a temporary folder first: JupyterLab saves what it runs, and the
+committed outputs must not change under a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+if CHROMIUM is None:
+    pytest.skip("no chromium on PATH (apt-get install -y chromium fonts-noto-cjk)", allow_module_level=True)
+
+TOKEN = "minifsdp-browser-test"
+
+# Draws two characters with the given CSS font on a canvas and says whether their pixels differ.  Two
+# different CJK characters drawn in a real CJK font differ; drawn without one, both become the same
+# "missing glyph" box, pixel for pixel.
+SAME_GLYPHS_JS = """([font, a, b]) => {
+  const draw = (ch) => {
+    const c = document.createElement('canvas'); c.width = 64; c.height = 64;
+    const g = c.getContext('2d'); g.font = font; g.fillStyle = '#000'; g.fillText(ch, 4, 48);
+    return Array.from(g.getImageData(0, 0, 64, 64).data);
+  };
+  const x = draw(a), y = draw(b);
+  const ink = x.some(v => v !== 0);
+  return {ink, same: x.every((v, i) => v === y[i])};
+}"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a free port, serving a copy of notebooks/; its URL."""
+    home = tmp_path_factory.mktemp("lab")
+    shutil.copytree(ROOT / "notebooks", home / "notebooks")
+    port = _free_port()
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
+               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(Path(sys.prefix) / "share" / "jupyter"),
+                                                        env.get("JUPYTER_PATH")]))
+    log = open(home / "lab.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         f"--ServerApp.token={TOKEN}", f"--ServerApp.root_dir={home}", "--ServerApp.allow_root=True"],
+        cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            if proc.poll() is not None:
+                pytest.fail(f"jupyter lab exited with {proc.returncode}:\n{(home / 'lab.log').read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={TOKEN}", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("jupyter lab did not answer in 60 s:\n" + (home / "lab.log").read_text()[-3000:])
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+    yield pg
+    pg.close()
+
+
+def _open(page, lab, name):
+    """Open ``name`` alone (``?reset``: no tabs restored from an earlier test); its panel."""
+    page.goto(f"{lab}/lab/tree/notebooks/{name}?reset&token={TOKEN}")
+    panel = page.locator(".jp-NotebookPanel:visible")
+    panel.locator(".jp-MarkdownOutput h1").first.wait_for(timeout=60_000)
+    return panel
+
+
+@pytest.mark.timeout(300)
+def test_the_cjk_check_catches_missing_glyphs(page):
+    """The instrument first: two characters no font has (private use) are the same box; two CJK ones differ."""
+    page.set_content("<html><body></body></html>")
+    tofu = page.evaluate(SAME_GLYPHS_JS, ["32px sans-serif", "\ue000", "\ue001"])
+    assert tofu["same"], "two missing glyphs drew differently: the check cannot tell a missing font"
+    cjk = page.evaluate(SAME_GLYPHS_JS, ["32px sans-serif", "第", "章"])
+    assert cjk["ink"] and not cjk["same"], "第 and 章 draw as the same box: no CJK font (apt-get install fonts-noto-cjk)"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_opens_with_its_chinese_heading_and_plots(page, lab, notebook):
+    panel = _open(page, lab, notebook.name)
+    h1 = panel.locator(".jp-MarkdownOutput h1").first
+    heading = h1.inner_text()
+    chinese = [ch for ch in heading if "\u4e00" <= ch <= "\u9fff"]
+    assert len(chinese) >= 2, f"no Chinese in the chapter heading {heading!r}"
+    font = h1.evaluate("e => getComputedStyle(e).font")
+    glyphs = page.evaluate(SAME_GLYPHS_JS, [font, chinese[0], chinese[1]])
+    assert glyphs["ink"] and not glyphs["same"], f"{heading!r}: the Chinese is drawn as empty boxes in {font!r}"
+
+    committed = sum(1 for c in json.loads(notebook.read_text())["cells"] for o in c.get("outputs", [])
+                    if "image/png" in o.get("data", {}))
+    # JupyterLab renders cells lazily as they scroll into view: scroll to the end first
+    for _ in range(200):
+        page.keyboard.press("End")
+        loaded = panel.evaluate("p => Array.from(p.querySelectorAll('.jp-RenderedImage img'))"
+                                ".filter(i => i.complete && i.naturalWidth > 0).length")
+        if loaded >= committed:
+            break
+        page.mouse.wheel(0, 4000)
+        page.wait_for_timeout(100)
+    assert loaded == committed, f"{notebook.name}: {loaded} of {committed} committed plots drawn"
+
+
+@pytest.mark.timeout(300)
+def test_the_ring_slider_redraws_in_the_browser(page, lab):
+    """Notebook 02's ring widget, run by JupyterLab's own kernel: moving the slider draws another step."""
+    nb = json.loads((ROOT / "notebooks" / "02_fsdp_core.ipynb").read_text())
+    code = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"]
+    target = next(i for i in code if "viz.ring_widget(" in "".join(nb["cells"][i]["source"]))
+    panel = _open(page, lab, "02_fsdp_core.ipynb")
+    cells = panel.locator(".jp-Cell")
+    cells.nth(target).click()
+    page.keyboard.press("Escape")  # command mode
+    page.get_by_role("menuitem", name="Run").click()
+    page.get_by_role("menuitem", name="Run All Above Selected Cell").click()
+    cells.nth(target).click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("Shift+Enter")
+    slider = cells.nth(target).locator(".widget-slider .noUi-handle, .widget-slider input").first
+    slider.wait_for(timeout=180_000)
+    image = cells.nth(target).locator(".jp-OutputArea-output img").first
+    image.wait_for(timeout=60_000)
+    before = image.get_attribute("src")
+    readout = cells.nth(target).locator(".widget-readout").first
+    assert readout.inner_text().strip() == "0"
+    cells.nth(target).locator(".noUi-handle").first.focus()
+    page.keyboard.press("ArrowRight")
+    page.wait_for_function("([r]) => r.innerText.trim() === '1'", arg=[readout.element_handle()], timeout=30_000)
+    page.wait_for_function("([c, s]) => { const i = c.querySelector('.jp-OutputArea-output img');"
+                           " return i && i.getAttribute('src') !== s; }",
+                           arg=[cells.nth(target).element_handle(), before], timeout=60_000)
