@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import minifsdp.parallel.tensor_parallel as tp
+from minifsdp.comm import count_bytes
 from minifsdp.models import MLP, GPTConfig, TinyGPT
 
 MLP_DIMS = (16, 32, 32, 8)  # net.0 stays whole, net.2 (32 -> 32) colwise, net.4 (32 -> 8) rowwise
@@ -53,33 +54,37 @@ def _counts(mode: CommDebugMode) -> dict[str, int]:
 
 
 def _run(model, x, target):
-    """One forward and backward; returns output, loss and the collectives each counted."""
-    with CommDebugMode() as fwd:
+    """One forward and backward; returns output, loss, the collectives each counted and our ring's bytes."""
+    with CommDebugMode() as fwd, count_bytes() as fwd_bytes:
         out = model(x)
         loss = torch.nn.functional.mse_loss(out, target) if target is not None else out
-    with CommDebugMode() as bwd:
+    with CommDebugMode() as bwd, count_bytes() as bwd_bytes:
         loss.backward()
-    return {"out": _local(out), "loss": _local(loss), "fwd": _counts(fwd), "bwd": _counts(bwd)}
+    return {"out": _local(out), "loss": _local(loss), "fwd": _counts(fwd), "bwd": _counts(bwd),
+            "fwd_bytes": (fwd_bytes.sent, fwd_bytes.received, fwd_bytes.messages),
+            "bwd_bytes": (bwd_bytes.sent, bwd_bytes.received, bwd_bytes.messages)}
 
 
-def _mlp_case(mesh, x, target, optim=None, fault=None, ours_on=None, zero_row_bias=False):
+def _mlp_case(mesh, x, target, optim=None, fault=None, ours_on=None, zero_row_bias=False, collectives="torch"):
     """Ours and torch's on the MLP: forward, backward, optionally two optimizer steps; ``fault`` breaks ours.
 
     ``ours_on``: what our ``parallelize_module`` gets (default: the same mesh as torch's; or a ProcessGroup).
     ``zero_row_bias``: zero the row-parallel layer's bias, the one place where torch adds in another order.
+    ``collectives``: ours on gloo's all-reduce ("torch") or on our ring ("ring", whose bytes are counted).
     """
     base = MLP(MLP_DIMS, seed=0)
     if zero_row_bias:
         torch.nn.init.zeros_(base.net[4].bias)
-    ours = tp.parallelize_module(copy.deepcopy(base), mesh if ours_on is None else ours_on, MLP_OURS)
+    ours = tp.parallelize_module(copy.deepcopy(base), mesh if ours_on is None else ours_on, MLP_OURS,
+                                 collectives=collectives)
     theirs = ttp.parallelize_module(copy.deepcopy(base), mesh, MLP_TORCH)
     saved = {}
     if fault == "skip backward all-reduce":  # f's backward without its all-reduce
         saved["f"] = tp._CopyToTensorParallel.backward
-        tp._CopyToTensorParallel.backward = staticmethod(lambda ctx, grad: (grad, None))
+        tp._CopyToTensorParallel.backward = staticmethod(lambda ctx, grad: (grad, None, None))
     elif fault == "skip forward all-reduce":  # g's forward without its all-reduce
         saved["g"] = tp._ReduceFromTensorParallel.forward
-        tp._ReduceFromTensorParallel.forward = staticmethod(lambda ctx, y, group: y.clone())
+        tp._ReduceFromTensorParallel.forward = staticmethod(lambda ctx, y, group, collectives: y.clone())
     try:
         res = {"init_ours": _params(ours), "init_torch": _params(theirs)}
         res["ours"], res["torch"] = _run(ours, x, target), _run(theirs, x, target)
@@ -201,6 +206,7 @@ def tp_worker() -> dict:
     return {
         "mlp": _mlp_case(mesh, x, target),
         "mlp_zero_bias": _mlp_case(mesh, x, target, zero_row_bias=True),
+        "mlp_ring": _mlp_case(mesh, x, target, collectives="ring"),
         "mlp_group": _mlp_case(mesh, x, target, ours_on=dist.group.WORLD),
         "sgd": _mlp_case(mesh, x, target, optim=lambda ps: torch.optim.SGD(ps, lr=0.1)),
         "adamw": _mlp_case(mesh, x, target, optim=lambda ps: torch.optim.AdamW(ps, lr=1e-2)),

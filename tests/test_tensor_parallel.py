@@ -129,6 +129,22 @@ def test_one_all_reduce_forward_one_backward_as_torch(res):
         assert (r["gpt"]["fwd"], r["gpt"]["bwd"]) == ({"allreduce_": 4}, {"allreduce_": 4})
 
 
+def test_ring_collectives_same_numbers_and_bytes_counted(res):
+    """collectives="ring": our ring all-reduce from minifsdp.comm; at 2 ranks a + b == b + a, so bitwise the same.
+
+    Bytes per rank, ring all-reduce of S bytes at N ranks: 2(N-1)/N x S sent.  Forward: the row-parallel
+    output (4, 8) fp32 = 128 B; backward: the column-parallel input's gradient (4, 32) fp32 = 512 B.
+    """
+    n = WORLD
+    for r in res:
+        ring, gloo = r["mlp_ring"], r["mlp"]
+        _close(ring["ours"]["out"], gloo["ours"]["out"], 0, "ring vs gloo output")
+        _close(ring["grad_ours"], gloo["grad_ours"], 0, "ring vs gloo gradients")
+        assert ring["ours"]["fwd_bytes"][:2] == (2 * (n - 1) * 4 * 8 * 4 // n,) * 2
+        assert ring["ours"]["bwd_bytes"][:2] == (2 * (n - 1) * 4 * 32 * 4 // n,) * 2
+        assert gloo["ours"]["fwd_bytes"] == (0, 0, 0), "gloo's all-reduce is not ours to count"
+
+
 def test_skipping_the_backward_all_reduce_is_caught(res):
     """f without its all-reduce: the output is unchanged, but net.0 (before the colwise layer) gets a wrong grad."""
     for r in res:
@@ -211,5 +227,7 @@ def test_bad_arguments_without_ranks():
         parallelize_module(MLP(), None, None)
     with pytest.raises(TypeError, match="plan\\['net.0'\\]"):
         parallelize_module(MLP(), None, {"net.0": "colwise"})
+    with pytest.raises(ValueError, match="kind='nccl' is unknown"):
+        parallelize_module(MLP(), None, {"net.0": ColwiseParallel()}, collectives="nccl")
     assert repr(ColwiseParallel(chunks=3)) == "ColwiseParallel(chunks=3)"
     assert repr(RowwiseParallel()) == "RowwiseParallel()"

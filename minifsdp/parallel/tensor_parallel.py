@@ -61,15 +61,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minifsdp.comm.collectives import get_collectives
+
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "full_tensor", "TPShard",
            "copy_to_tensor_parallel", "reduce_from_tensor_parallel"]
 
 
 # ----------------------------------------------------------------------------- f and g
-def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(tensor: torch.Tensor, group, collectives: str) -> torch.Tensor:
     """Sum ``tensor`` over ``group`` into a new tensor (the one place this module communicates)."""
     out = tensor.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    get_collectives(collectives).all_reduce(out, group=group)
     return out
 
 
@@ -77,35 +79,35 @@ class _CopyToTensorParallel(torch.autograd.Function):
     """f: identity in the forward; all-reduce of the input's gradient in the backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group, collectives: str) -> torch.Tensor:
+        ctx.group, ctx.collectives = group, collectives
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce(grad, ctx.group, ctx.collectives), None, None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
     """g: all-reduce in the forward; identity for the gradient in the backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        return _all_reduce(x, group)
+    def forward(ctx, x: torch.Tensor, group, collectives: str) -> torch.Tensor:
+        return _all_reduce(x, group, collectives)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad, None, None
 
 
-def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+def copy_to_tensor_parallel(x: torch.Tensor, group=None, collectives: str = "torch") -> torch.Tensor:
     """f of the module docstring: ``x`` unchanged; its gradient is summed over ``group``."""
-    return _CopyToTensorParallel.apply(x, group)
+    return _CopyToTensorParallel.apply(x, group, collectives)
 
 
-def reduce_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_from_tensor_parallel(x: torch.Tensor, group=None, collectives: str = "torch") -> torch.Tensor:
     """g of the module docstring: the sum of ``x`` over ``group``; its gradient passes unchanged."""
-    return _ReduceFromTensorParallel.apply(x, group)
+    return _ReduceFromTensorParallel.apply(x, group, collectives)
 
 
 # ----------------------------------------------------------------------------- where a slice lives
@@ -123,6 +125,7 @@ class TPShard:
     chunks: int
     full_shape: tuple[int, ...]
     group: object = None
+    collectives: str = "torch"
 
     def __deepcopy__(self, memo) -> "TPShard":
         return self  # frozen, and a process group cannot be copied: a deep-copied model shares it
@@ -133,9 +136,10 @@ def _take(full: torch.Tensor, shard: TPShard) -> torch.Tensor:
     return torch.cat([b.chunk(shard.world, dim=shard.dim)[shard.rank] for b in blocks], dim=shard.dim)
 
 
-def _shard_parameter(module: nn.Module, name: str, dim: int, chunks: int, group) -> None:
+def _shard_parameter(module: nn.Module, name: str, dim: int, chunks: int, group, collectives: str) -> None:
     full = getattr(module, name)
-    shard = TPShard(dim, dist.get_rank(group), dist.get_world_size(group), chunks, tuple(full.shape), group)
+    shard = TPShard(dim, dist.get_rank(group), dist.get_world_size(group), chunks, tuple(full.shape), group,
+                    collectives)
     local = nn.Parameter(_take(full.detach(), shard).clone(), requires_grad=full.requires_grad)
     local.tp_shard = shard
     setattr(module, name, local)
@@ -165,7 +169,7 @@ class ParallelStyle:
     def _validate(self, module: nn.Module, fqn: str, group) -> None:
         raise NotImplementedError
 
-    def _apply(self, module: nn.Module, fqn: str, group) -> nn.Module:
+    def _apply(self, module: nn.Module, fqn: str, group, collectives: str = "torch") -> nn.Module:
         raise NotImplementedError
 
     @staticmethod
@@ -184,7 +188,8 @@ class ParallelStyle:
 
 def _colwise_pre_hook(module: nn.Linear, args: tuple) -> tuple:
     """Before a column-parallel Linear: its input goes through f (the gradient's all-reduce)."""
-    return (copy_to_tensor_parallel(args[0], module.weight.tp_shard.group), *args[1:])
+    shard = module.weight.tp_shard
+    return (copy_to_tensor_parallel(args[0], shard.group, shard.collectives), *args[1:])
 
 
 class ColwiseParallel(ParallelStyle):
@@ -207,11 +212,11 @@ class ColwiseParallel(ParallelStyle):
     def _validate(self, module: nn.Module, fqn: str, group) -> None:
         self._check(module, fqn, "ColwiseParallel", "out_features", self.chunks, group)
 
-    def _apply(self, module: nn.Module, fqn: str, group) -> nn.Module:
+    def _apply(self, module: nn.Module, fqn: str, group, collectives: str = "torch") -> nn.Module:
         self._validate(module, fqn, group)
-        _shard_parameter(module, "weight", 0, self.chunks, group)
+        _shard_parameter(module, "weight", 0, self.chunks, group, collectives)
         if module.bias is not None:
-            _shard_parameter(module, "bias", 0, self.chunks, group)
+            _shard_parameter(module, "bias", 0, self.chunks, group, collectives)
         module.register_forward_pre_hook(_colwise_pre_hook)
         return module
 
@@ -221,7 +226,8 @@ class ColwiseParallel(ParallelStyle):
 
 def _rowwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The forward of a row-parallel Linear: partial product, all-reduce (g), then the whole bias once."""
-    out = reduce_from_tensor_parallel(F.linear(x, self.weight), self.weight.tp_shard.group)
+    shard = self.weight.tp_shard
+    out = reduce_from_tensor_parallel(F.linear(x, self.weight), shard.group, shard.collectives)
     return out if self.bias is None else out + self.bias
 
 
@@ -235,9 +241,9 @@ class RowwiseParallel(ParallelStyle):
     def _validate(self, module: nn.Module, fqn: str, group) -> None:
         self._check(module, fqn, "RowwiseParallel", "in_features", 1, group)
 
-    def _apply(self, module: nn.Module, fqn: str, group) -> nn.Module:
+    def _apply(self, module: nn.Module, fqn: str, group, collectives: str = "torch") -> nn.Module:
         self._validate(module, fqn, group)
-        _shard_parameter(module, "weight", 1, 1, group)
+        _shard_parameter(module, "weight", 1, 1, group, collectives)
         module.forward = types.MethodType(_rowwise_forward, module)  # found before the class's forward
         return module
 
@@ -268,7 +274,8 @@ def _matching(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
 
 
 def parallelize_module(module: nn.Module, device_mesh_or_group=None,
-                       parallelize_plan: ParallelStyle | dict[str, ParallelStyle] | None = None) -> nn.Module:
+                       parallelize_plan: ParallelStyle | dict[str, ParallelStyle] | None = None, *,
+                       collectives: str = "torch") -> nn.Module:
     """Apply a tensor-parallel plan in place and return ``module`` (torch's ``parallelize_module``).
 
     Args:
@@ -277,16 +284,19 @@ def parallelize_module(module: nn.Module, device_mesh_or_group=None,
             default group).
         parallelize_plan: a style for ``module`` itself, or ``{submodule name: style}``; names may hold
             ``*`` per dotted atom (``"blocks.*.mlp.0"``).
+        collectives: "torch" (``dist.all_reduce``) or "ring" (our ring all-reduce from
+            ``minifsdp.comm``, whose bytes ``minifsdp.comm.count_bytes()`` counts).  Not in torch's signature.
 
     Raises:
         ValueError: a plan key names no submodule, or a width is not divisible by the group size.
         TypeError: a style is put on something other than an ``nn.Linear``.
     """
     group = _group_of(device_mesh_or_group)
+    get_collectives(collectives)  # a bad name fails here, not in the first forward
     if parallelize_plan is None:
         raise ValueError("parallelize_module needs a plan: a ParallelStyle or {submodule name: ParallelStyle}")
     if isinstance(parallelize_plan, ParallelStyle):
-        return parallelize_plan._apply(module, type(module).__name__, group)
+        return parallelize_plan._apply(module, type(module).__name__, group, collectives)
     targets = []
     for key, style in parallelize_plan.items():
         if not isinstance(style, ParallelStyle):
@@ -300,5 +310,5 @@ def parallelize_module(module: nn.Module, device_mesh_or_group=None,
     for name, sub, style in targets:  # check every target before changing any
         style._validate(sub, name, group)
     for name, sub, style in targets:
-        style._apply(sub, name, group)
+        style._apply(sub, name, group, collectives)
     return module
