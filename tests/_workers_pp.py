@@ -194,6 +194,14 @@ def faults(rank: int, ws: int, M: int):
         st.n_microbatches = M
         res[label] = _run_pipeline(mod, st, ScheduleGPipe(st, M, loss_fn=loss_fn, scale_grads=scale),
                                    batches[:1], rank, ws)
+    # forward only (no loss_fn): outputs, no graph kept, no gradients
+    mod = make_stage(copy.deepcopy(full), rank)
+    st = PipelineStage(mod, rank, ws, torch.device("cpu"))
+    x = batches[0][0]
+    out = Schedule1F1B(st, M).step(x) if rank == 0 else Schedule1F1B(st, M).step()
+    res["forward_only"] = {"out": out, "actions": list(st.actions), "expected": full(x).detach(),
+                           "grads": [p.grad for p in mod.parameters() if p.grad is not None],
+                           "requires_grad": None if out is None else out.requires_grad}
     return res
 
 

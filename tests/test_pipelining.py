@@ -135,6 +135,15 @@ def test_missing_grad_scaling_fails_the_gradient_check(run2):
             torch.testing.assert_close(unscaled["grads"][n], 4 * ref["grads"][n], rtol=RTOL, atol=ATOL)
 
 
+def test_forward_only_schedule(run2):
+    """No loss_fn: forwards only, under no_grad; the last stage returns the whole batch's output."""
+    first, last = run2[0]["faults"]["forward_only"], run2[1]["faults"]["forward_only"]
+    assert first["actions"] == last["actions"] == ["F0", "F1", "F2", "F3"]
+    assert first["out"] is None and first["grads"] == [] and last["grads"] == []
+    assert last["requires_grad"] is False
+    torch.testing.assert_close(last["out"], last["expected"], rtol=RTOL, atol=1e-6)
+
+
 def test_clear_errors(run2):
     e0, e1 = run2[0]["errors"], run2[1]["errors"]
     assert "must divide into n_microbatches=4" in e0["indivisible"] and "input's" in e0["indivisible"]

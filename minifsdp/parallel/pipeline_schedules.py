@@ -110,6 +110,7 @@ class PipelineScheduleSingle:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
 
+        stage.has_backward = self._has_backward
         stage.clear_runtime_states()
         internal_losses: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}

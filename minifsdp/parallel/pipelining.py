@@ -18,10 +18,13 @@ Names and call signatures mirror ``torch.distributed.pipelining`` so a student c
 
 Note (messages): a forward message is a small int64 header ``[dtype code, ndim, d0, d1, ...]`` then the
 activation itself, both sent with ``dist.isend`` to the next stage's rank, received with a blocking
-``dist.recv``.  The backward message is the gradient of that activation, whose shape the sender already
-knows, so it needs no header.  torch instead infers the shapes once before the first step ("metadata
-inference", a forward on the first micro-batch plus object messages); a header per message is simpler to read
-and costs 64 bytes.  One tensor crosses each cut; tuple outputs are not supported (torch allows them).
+``dist.recv``.  Every ``isend`` must meet its ``recv`` on the peer: on gloo the sender's ``wait`` (done at the
+end of each step, :meth:`PipelineStage.wait_sends`) blocks until the peer has received, so a schedule that
+skips a receive hangs until the group's timeout instead of finishing wrong.  The backward message is the
+gradient of that activation, whose shape the receiver already knows, so it needs no header.  torch
+instead infers the shapes once before the first step ("metadata inference", a forward on the first
+micro-batch plus object messages); a header per message is simpler to read and costs 64 bytes.  One tensor
+crosses each cut; tuple outputs are not supported (torch allows them).
 
 Note (recorded actions): every stage records what it did, in order, as ``stage.actions`` (``["F0", "F1",
 "B0", ...]``) and with wall-clock times (``time.time()``, comparable across processes of one machine) in
@@ -82,6 +85,7 @@ class PipelineStage:
         self.is_last = stage_index == num_stages - 1
         self.prev_rank = None if self.is_first else dist.get_global_rank(self.group, stage_index - 1)
         self.next_rank = None if self.is_last else dist.get_global_rank(self.group, stage_index + 1)
+        self.has_backward = True  # set by the schedule: False when it has no loss_fn (forward only, no_grad)
         self.actions: list[str] = []
         self.events: list[tuple[str, float, float]] = []
         self.clear_runtime_states()
@@ -112,13 +116,17 @@ class PipelineStage:
             return t
 
         start = time.time()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.set_grad_enabled(self.has_backward):
             out = self.submod(inp)
         end = time.time()
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {self.stage_index} returned {type(out).__name__}: a stage must return one "
                             "tensor (the activation sent to the next stage, or the last stage's output)")
         self._record(f"F{chunk_id}", start, end)
+        if not self.has_backward:  # forward only (a schedule without loss_fn): keep nothing for a backward
+            if not self.is_last:
+                self._send_activation(out.detach())
+            return out
         self._cache[chunk_id] = (inp, out, saved[0])
         self._bytes_in_flight += saved[0]
         self.peak_in_flight = max(self.peak_in_flight, len(self._cache))
