@@ -273,9 +273,29 @@ def bubbles(rank: int, ws: int, M: int, t: float):
     return res
 
 
+def two_pipelines(rank: int, ws: int):
+    """Two 2-stage pipelines side by side on 4 ranks (groups [0, 1] and [2, 3], the shape a DP x PP run takes):
+    each group's stage index is the rank in its group; ours and torch's, on different data per pipeline."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group, s = groups[rank // 2], rank % 2
+    full, make_stage, loss_fn, batches, _ = _case("mlp", 2)
+    batches = [(x + rank // 2, y) for x, y in batches]
+    res = {}
+    for name, (ours_cls, torch_cls) in SCHEDULES.items():
+        m_t, m_o = make_stage(copy.deepcopy(full), s), make_stage(copy.deepcopy(full), s)
+        st_t = TorchStage(m_t, s, 2, torch.device("cpu"), group=group)
+        st_o = PipelineStage(m_o, s, 2, torch.device("cpu"), group=group)
+        res[(name, "torch")] = _run_pipeline(m_t, st_t, torch_cls(st_t, 4, loss_fn=loss_fn), batches, s, 2)
+        res[(name, "ours")] = _run_pipeline(m_o, st_o, ours_cls(st_o, 4, loss_fn=loss_fn), batches, s, 2)
+    return res
+
+
 def suite(ws: int, models: list[str], n_micro: list[int], with_extras: bool):
     rank = dist.get_rank()
     res = {"parity": parity(rank, ws, models, n_micro)}
+    if ws == 4:
+        dist.barrier()
+        res["two_pipelines"] = two_pipelines(rank, ws)
     if with_extras:
         dist.barrier()
         res["faults"] = faults(rank, ws, n_micro[0])

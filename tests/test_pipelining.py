@@ -75,6 +75,19 @@ def test_action_order_equals_torch(request, ws, model, M, schedule):
             assert row == b["actions"]
 
 
+def test_pipeline_group_argument(run4):
+    """group=: two 2-stage pipelines on ranks [0, 1] and [2, 3], each equal to torch's on the same group, bitwise;
+    the second pipeline's data differ, so its gradients must differ from the first's."""
+    for rank, res in enumerate(run4):
+        for name in ("gpipe", "1f1b"):
+            ours, theirs = res["two_pipelines"][(name, "ours")], res["two_pipelines"][(name, "torch")]
+            assert len(ours) == len(theirs) == w.STEPS
+            for a, b in zip(ours, theirs):
+                assert same_step(a, b), (rank, name)
+                assert len(a["losses"]) == (4 if rank % 2 == 1 else 0)
+    assert not same_step(run4[0]["two_pipelines"][("gpipe", "ours")][0], run4[2]["two_pipelines"][("gpipe", "ours")][0])
+
+
 def test_order_check_can_fail(run2):
     """The order comparison is not vacuous: GPipe's order is not 1F1B's on any stage (M=4, 2 stages)."""
     for res in run2:
