@@ -53,9 +53,10 @@ def _shard(model, impl, case, mesh):
     if impl == "ours":
         mp = MixedPrecisionPolicy(param_dtype=_DTYPES[case.get("param_dtype")],
                                   reduce_dtype=_DTYPES[case.get("reduce_dtype")])
+        kw = {"mesh": mesh if case.get("ours_mesh") else None, "collectives": case.get("collectives", "torch")}
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
-        return fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(block, reshard_after_forward=reshard, mp_policy=mp, **kw)
+        return fully_shard(model, reshard_after_forward=reshard, mp_policy=mp, **kw)
     mp = TorchMP(param_dtype=_DTYPES[case.get("param_dtype")], reduce_dtype=_DTYPES[case.get("reduce_dtype")])
     for block in model.blocks:
         torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -95,6 +96,11 @@ def parity(case: dict) -> dict:
     result = {}
     for impl in case.get("impls", ("torch", "ours")):
         model = _shard(TinyGPT(cfg, seed=0), impl, case, mesh)
+        if case.get("prefetch"):  # each block gathers the next in forward; the root gathers all in backward
+            blocks = list(model.blocks)
+            for block, following in zip(blocks[:-1], blocks[1:]):
+                block.set_modules_to_forward_prefetch([following])
+            model.set_modules_to_backward_prefetch(blocks[::-1])
         saved_op = ours_param_group.reduce_scatter_op
         if impl == "ours" and case.get("fault") == "no_divide":  # sum instead of average
             ours_param_group.reduce_scatter_op = lambda n, dtype: ("sum", None, None)

@@ -29,9 +29,10 @@ How ours differs from torch's, on purpose: the sharded parameters are ``nn.Param
 DTensors (see :mod:`minifsdp.fsdp2.param`); ``mesh`` may be a 1-D ``DeviceMesh`` or a process group (no HSDP);
 everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with), so the
 collectives are issued in the same order as torch's but never overlap compute; no ``offload_policy``
-other than none; no explicit prefetching (``set_modules_to_forward_prefetch``) -- the implicit backward
-prefetch of the previous group is there.  The extra keyword ``collectives`` picks torch's collectives
-(default, bitwise parity) or our ring (``"ring"``).
+other than none.  Prefetching: the implicit backward prefetch of the previous group, and the explicit
+``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``, issue gathers in torch's
+order (on one thread a prefetch only moves a gather earlier).  The extra keyword ``collectives`` picks
+torch's collectives (default, bitwise parity) or our ring (``"ring"``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class FSDPState:
         self.is_root: bool | None = None
         self.ctx: _RootContext | None = None
         self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[FSDPState] = []  # set_modules_to_forward_prefetch
+        self.backward_prefetch: list[FSDPState] = []  # set_modules_to_backward_prefetch
 
     # ---------------------------------------------------------------- root
     def _lazy_init(self) -> None:
@@ -111,6 +114,7 @@ class FSDPState:
             if self.param_group is not None:
                 self.param_group.unshard()
             return self._cast_inputs(args, kwargs)
+        first_in_pass = self.training_state is not TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
         self._lazy_init()
         if self.ctx.iter_forward_root is None:
@@ -118,6 +122,10 @@ class FSDPState:
         args, kwargs = self._cast_inputs(args, kwargs)
         if self.param_group is not None:
             args, kwargs = self.param_group.pre_forward(args, kwargs)
+        if first_in_pass:  # explicit forward prefetch: gather the listed modules now, before they run
+            for target in self.forward_prefetch:
+                if target.param_group is not None:
+                    target.param_group.unshard()
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -146,7 +154,10 @@ class FSDPState:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.param_group is not None:
-            self.param_group.pre_backward()
+            self.param_group.pre_backward(implicit_prefetch=not self.backward_prefetch)
+        for target in self.backward_prefetch:  # explicit: these instead of the previous group
+            if target.param_group is not None:
+                target.param_group.unshard()
         return grad
 
     def _end_of_backward(self) -> None:
@@ -189,6 +200,15 @@ class FSDPModule:
         for s in self._fsdp_states(recurse):
             if s.param_group is not None:
                 s.param_group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """In this module's pre-forward, after its own all-gather, all-gather these modules' parameters too."""
+        fsdp_state(self).forward_prefetch = [fsdp_state(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """In this module's pre-backward, all-gather these modules' parameters (replaces the implicit
+        prefetch of the module whose forward ran just before this one)."""
+        fsdp_state(self).backward_prefetch = [fsdp_state(m) for m in modules]
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for s in self._fsdp_states(recurse):

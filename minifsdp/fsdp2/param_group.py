@@ -174,14 +174,14 @@ class FSDPParamGroup:
             self.comm_ctx.post_forward_order.append(self)
         self.training_state = TrainingState.IDLE
 
-    def pre_backward(self) -> None:
+    def pre_backward(self, implicit_prefetch: bool = True) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()  # a no-op when the forward kept it, or when a prefetch already gathered it
         if self._post_forward_indices and self.comm_ctx is not None:
             index = self._post_forward_indices.pop()
-            if index > 0:  # implicit prefetch: the group that ran forward just before this one
+            if index > 0 and implicit_prefetch:  # implicit prefetch: the group that ran forward just before this one
                 self.comm_ctx.post_forward_order[index - 1].unshard()
 
     def post_backward(self) -> None:
