@@ -19,8 +19,7 @@ from torch.distributed.pipelining import Schedule1F1B as Torch1F1B
 from torch.distributed.pipelining import ScheduleGPipe as TorchGPipe
 
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.parallel.pipeline_schedules import Schedule1F1B, ScheduleGPipe
-from minifsdp.parallel.pipelining import PipelineStage
+from minifsdp.parallel.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 STEPS = 2
 LR = 0.1

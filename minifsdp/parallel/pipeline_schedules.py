@@ -1,7 +1,8 @@
 """Chapters 1 and 4.4: pipeline schedules, GPipe and 1F1B, mirroring ``torch.distributed.pipelining``'s.
 
 A schedule decides in which order each stage runs the forwards (F) and backwards (B) of the micro-batches.
-Every rank builds the same schedule around its own :class:`~minifsdp.parallel.pipelining.PipelineStage` and
+Every rank builds the same schedule around its own :class:`~minifsdp.parallel.pipelining.PipelineStage` (import
+both from ``minifsdp.parallel.pipelining``, which re-exports this module, as ``torch.distributed.pipelining``) and
 calls ``step`` with the whole batch, as torch's::
 
     if stage.is_first:   schedule.step(x)                          # x: (B, ...), cut into M micro-batches
@@ -45,16 +46,15 @@ from typing import Callable
 
 import torch
 
-from minifsdp.parallel.pipelining import PipelineStage, action_order
-
-__all__ = ["ScheduleGPipe", "Schedule1F1B", "PipelineScheduleSingle"]
+__all__ = ["ScheduleGPipe", "Schedule1F1B", "PipelineScheduleSingle", "bubble_fraction",
+           "measured_bubble_fraction", "action_order", "simulate_timeline", "format_timeline"]
 
 
 class PipelineScheduleSingle:
     """A schedule for one stage per rank: cut the batch, run this stage's :func:`action_order`, scale the grads.
 
     Args:
-        stage: this rank's :class:`PipelineStage`.
+        stage: this rank's :class:`~minifsdp.parallel.pipelining.PipelineStage`.
         n_microbatches: M, the number of micro-batches a batch is cut into (along dim 0).
         loss_fn: ``loss_fn(output, target)`` on the last stage; None runs forwards only.
         scale_grads: divide the accumulated gradients by M after the step (torch's default, True).
@@ -62,9 +62,12 @@ class PipelineScheduleSingle:
 
     schedule_name = ""
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable | None = None,
+    def __init__(self, stage, n_microbatches: int, loss_fn: Callable | None = None,
                  scale_grads: bool = True):
-        if not isinstance(stage, PipelineStage):
+        # duck-typed (this module cannot import pipelining.py, which re-exports it): any object with a stage's
+        # methods and attributes will do
+        needed = ("forward_one_chunk", "backward_one_chunk", "scale_grads", "wait_sends", "stage_index", "num_stages")
+        if not all(hasattr(stage, a) for a in needed):
             raise TypeError(f"stage must be a minifsdp PipelineStage, got {type(stage).__name__}")
         if not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
@@ -157,9 +160,86 @@ class Schedule1F1B(PipelineScheduleSingle):
 
     schedule_name = "1f1b"
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable | None = None,
+    def __init__(self, stage, n_microbatches: int, loss_fn: Callable | None = None,
                  scale_grads: bool = True):
         super().__init__(stage, n_microbatches, loss_fn, scale_grads)
         if n_microbatches < self._num_stages:
             raise ValueError(f"Schedule1F1B needs n_microbatches ({n_microbatches}) >= the number of stages "
                              f"({self._num_stages}), as torch's")
+
+
+# ---- schedules as orders of actions, and what they cost -------------------------------------------------
+def action_order(schedule: str, stage_index: int, num_stages: int, n_microbatches: int) -> list[str]:
+    """The order in which stage ``stage_index`` runs its forwards (F) and backwards (B) under ``schedule``.
+
+    ``"gpipe"``: all forwards, then all backwards.  ``"1f1b"``: ``num_stages - stage_index - 1`` warm-up
+    forwards, then one forward and one backward in turn, then the remaining backwards (cool-down).
+    """
+    S, M, i = num_stages, n_microbatches, stage_index
+    if schedule == "gpipe":
+        return [f"F{m}" for m in range(M)] + [f"B{m}" for m in range(M)]
+    if schedule == "1f1b":
+        warmup = min(M, S - i - 1)
+        order = [f"F{m}" for m in range(warmup)]
+        for m in range(M - warmup):
+            order += [f"F{warmup + m}", f"B{m}"]
+        return order + [f"B{m}" for m in range(M - warmup, M)]
+    raise ValueError(f"unknown schedule {schedule!r}: 'gpipe' or '1f1b'")
+
+
+def bubble_fraction(num_stages: int, n_microbatches: int) -> float:
+    """The idle share of a stage's time in GPipe and in 1F1B when F and B take one unit each: (S-1)/(M+S-1).
+
+    Each stage works 2M units out of 2(M+S-1): it waits S-1 units before its first forward and S-1 units
+    after its last backward (mirror images).  1F1B has the same bubble; what it saves is memory (at most
+    S - stage_index micro-batches in flight instead of M).
+    """
+    return (num_stages - 1) / (n_microbatches + num_stages - 1)
+
+
+def measured_bubble_fraction(events_per_stage: list[list[tuple[str, float, float]]]) -> float:
+    """The idle share measured from every stage's ``events``: 1 - busy / (stages x span of the whole step).
+
+    The span runs from the first stage's first start to the last end anywhere (``time.time()`` stamps of
+    processes on one machine share a clock).
+    """
+    spans = [e for events in events_per_stage for e in events]
+    if not spans:
+        raise ValueError("no events recorded")
+    span = max(e[2] for e in spans) - min(e[1] for e in spans)
+    busy = sum(e[2] - e[1] for e in spans)
+    return 1.0 - busy / (len(events_per_stage) * span)
+
+
+def simulate_timeline(schedule: str, num_stages: int, n_microbatches: int) -> list[list[str | None]]:
+    """Each stage's time slots when every F and B takes one unit: a list per stage of action names or None (idle).
+
+    A stage runs its :func:`action_order` one by one, each as soon as its input is there: F(s, m) after
+    F(s-1, m); B(s, m) after B(s+1, m) (the last stage's after its own F(m)).
+    """
+    S = num_stages
+    orders = [action_order(schedule, s, S, n_microbatches) for s in range(S)]
+    done: dict[tuple[int, str], int] = {}  # (stage, action) -> slot in which it ran
+    nxt, free, slots = [0] * S, [0] * S, [[] for _ in range(S)]
+    while any(nxt[s] < len(orders[s]) for s in range(S)):
+        progressed = False
+        for s in range(S):
+            if nxt[s] == len(orders[s]):
+                continue
+            a = orders[s][nxt[s]]
+            dep = (s - 1, a) if a[0] == "F" and s > 0 else (s + 1, a) if a[0] == "B" and s < S - 1 else None
+            if dep is not None and dep not in done:
+                continue
+            t = max(free[s], done[dep] + 1 if dep else 0)
+            slots[s] += [None] * (t - len(slots[s])) + [a]
+            done[(s, a)], free[s], nxt[s] = t, t + 1, nxt[s] + 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule!r} deadlocks: {[orders[s][nxt[s]:] for s in range(S)]}")
+    width = max(len(row) for row in slots)
+    return [row + [None] * (width - len(row)) for row in slots]
+
+
+def format_timeline(slots: list[list[str | None]]) -> str:
+    """ASCII rows ``stage s: F0 F1 .. B0`` of :func:`simulate_timeline`'s slots ('.' is idle)."""
+    return "\n".join(f"stage {s}: " + " ".join(f"{a or '.':<3}" for a in row).rstrip() for s, row in enumerate(slots))

@@ -9,12 +9,14 @@ no parameter or gradient is ever communicated, only the tensors at the cut::
     x -> [ layers 0..k ] --act(B/M,..)--> [ layers k+1..j ] --act--> [ layers j+1.. ] -> loss_fn(out, y)
                          <--grad of act--                 <--grad--
 
-This module holds the stage (what one rank owns and how it talks to its neighbours) and the helpers that
-describe a schedule; the schedules themselves (GPipe, 1F1B) are in ``pipeline_schedules.py``.
+This module holds the stage (what one rank owns and how it talks to its neighbours); the schedules (GPipe,
+1F1B, their timelines and bubble) are in ``pipeline_schedules.py`` and re-exported here, so that
+``minifsdp.parallel.pipelining`` offers what ``torch.distributed.pipelining`` does.
 
 Names and call signatures mirror ``torch.distributed.pipelining`` so a student can diff the two:
 ``PipelineStage(submodule, stage_index, num_stages, device, group=None)`` with ``forward_one_chunk`` /
-``backward_one_chunk`` / ``scale_grads``, as torch's.
+``backward_one_chunk`` / ``scale_grads``, as torch's (ours take one tensor where torch's take a tuple of
+args and kwargs).
 
 Note (messages): a forward message is a small int64 header ``[dtype code, ndim, d0, d1, ...]`` then the
 activation itself, both sent with ``dist.isend`` to the next stage's rank, received with a blocking
@@ -43,8 +45,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["PipelineStage", "bubble_fraction", "measured_bubble_fraction", "action_order", "simulate_timeline",
-           "format_timeline"]
+from minifsdp.parallel.pipeline_schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    action_order,
+    bubble_fraction,
+    format_timeline,
+    measured_bubble_fraction,
+    simulate_timeline,
+)
+
+__all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "PipelineScheduleSingle", "bubble_fraction",
+           "measured_bubble_fraction", "action_order", "simulate_timeline", "format_timeline"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool]
 _HEADER_LEN = 8  # dtype code, ndim, up to 6 dims
@@ -217,80 +230,3 @@ class PipelineStage:
         act = torch.empty(header[2:2 + ndim], dtype=dtype, device=self.device)
         dist.recv(act, src=self.prev_rank, group=self.group)
         return act
-
-
-# ---- schedules as orders of actions, and what they cost -------------------------------------------------
-def action_order(schedule: str, stage_index: int, num_stages: int, n_microbatches: int) -> list[str]:
-    """The order in which stage ``stage_index`` runs its forwards (F) and backwards (B) under ``schedule``.
-
-    ``"gpipe"``: all forwards, then all backwards.  ``"1f1b"``: ``num_stages - stage_index - 1`` warm-up
-    forwards, then one forward and one backward in turn, then the remaining backwards (cool-down).
-    """
-    S, M, i = num_stages, n_microbatches, stage_index
-    if schedule == "gpipe":
-        return [f"F{m}" for m in range(M)] + [f"B{m}" for m in range(M)]
-    if schedule == "1f1b":
-        warmup = min(M, S - i - 1)
-        order = [f"F{m}" for m in range(warmup)]
-        for m in range(M - warmup):
-            order += [f"F{warmup + m}", f"B{m}"]
-        return order + [f"B{m}" for m in range(M - warmup, M)]
-    raise ValueError(f"unknown schedule {schedule!r}: 'gpipe' or '1f1b'")
-
-
-def bubble_fraction(num_stages: int, n_microbatches: int) -> float:
-    """The idle share of a stage's time in GPipe and in 1F1B when F and B take one unit each: (S-1)/(M+S-1).
-
-    Each stage works 2M units out of 2(M+S-1): it waits S-1 units before its first forward and S-1 units
-    after its last backward (mirror images).  1F1B has the same bubble; what it saves is memory (at most
-    S - stage_index micro-batches in flight instead of M).
-    """
-    return (num_stages - 1) / (n_microbatches + num_stages - 1)
-
-
-def measured_bubble_fraction(events_per_stage: list[list[tuple[str, float, float]]]) -> float:
-    """The idle share measured from every stage's ``events``: 1 - busy / (stages x span of the whole step).
-
-    The span runs from the first stage's first start to the last end anywhere (``time.time()`` stamps of
-    processes on one machine share a clock).
-    """
-    spans = [e for events in events_per_stage for e in events]
-    if not spans:
-        raise ValueError("no events recorded")
-    span = max(e[2] for e in spans) - min(e[1] for e in spans)
-    busy = sum(e[2] - e[1] for e in spans)
-    return 1.0 - busy / (len(events_per_stage) * span)
-
-
-def simulate_timeline(schedule: str, num_stages: int, n_microbatches: int) -> list[list[str | None]]:
-    """Each stage's time slots when every F and B takes one unit: a list per stage of action names or None (idle).
-
-    A stage runs its :func:`action_order` one by one, each as soon as its input is there: F(s, m) after
-    F(s-1, m); B(s, m) after B(s+1, m) (the last stage's after its own F(m)).
-    """
-    S = num_stages
-    orders = [action_order(schedule, s, S, n_microbatches) for s in range(S)]
-    done: dict[tuple[int, str], int] = {}  # (stage, action) -> slot in which it ran
-    nxt, free, slots = [0] * S, [0] * S, [[] for _ in range(S)]
-    while any(nxt[s] < len(orders[s]) for s in range(S)):
-        progressed = False
-        for s in range(S):
-            if nxt[s] == len(orders[s]):
-                continue
-            a = orders[s][nxt[s]]
-            dep = (s - 1, a) if a[0] == "F" and s > 0 else (s + 1, a) if a[0] == "B" and s < S - 1 else None
-            if dep is not None and dep not in done:
-                continue
-            t = max(free[s], done[dep] + 1 if dep else 0)
-            slots[s] += [None] * (t - len(slots[s])) + [a]
-            done[(s, a)], free[s], nxt[s] = t, t + 1, nxt[s] + 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule!r} deadlocks: {[orders[s][nxt[s]:] for s in range(S)]}")
-    width = max(len(row) for row in slots)
-    return [row + [None] * (width - len(row)) for row in slots]
-
-
-def format_timeline(slots: list[list[str | None]]) -> str:
-    """ASCII rows ``stage s: F0 F1 .. B0`` of :func:`simulate_timeline`'s slots ('.' is idle)."""
-    return "\n".join(f"stage {s}: " + " ".join(f"{a or '.':<3}" for a in row).rstrip() for s, row in enumerate(slots))
