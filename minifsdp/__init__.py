@@ -13,6 +13,8 @@ below ``ddp`` (chapter 1) because both DDP and FSDP send their gradients through
                   ch 4.1  mixed precision, activation checkpointing, full parameters and state dicts
     memory/       ch 2.3  bytes per rank measured from tensors; the ZeRO formulas
     checkpoint/   ch 4.3  save / load at any world size, atomic files, resume
+    parallel/     ch 4.4  tensor parallel (column / row), pipeline schedules (GPipe, 1F1B)
+    fsdp2/        ch 5    per-parameter sharding: fully_shard, FSDP2's design
     tools/                the main job (``python -m minifsdp compare``), benches, timelines, plots
 
 Every name below is importable from ``minifsdp`` directly, named as in torch.
@@ -58,6 +60,7 @@ from minifsdp.fsdp import (
 from minifsdp.launch import RankFailedError, spawn
 from minifsdp.memory import MemoryTracker, model_state_bytes, snapshot
 from minifsdp.models import MLP, CharCorpus, GPTConfig, TinyGPT
+from minifsdp.parallel import ColwiseParallel, RowwiseParallel, parallelize_module, tensor_parallel
 
 __all__ = [
     "spawn", "RankFailedError",
@@ -72,5 +75,6 @@ __all__ = [
     "StateDictSettings", "CPUOffload",
     "MemoryTracker", "snapshot", "model_state_bytes",
     "TinyGPT", "GPTConfig", "MLP", "CharCorpus",
+    "ColwiseParallel", "RowwiseParallel", "parallelize_module", "tensor_parallel",
 ]
 __version__ = "0.1.0"

@@ -6,3 +6,15 @@
 Both are written on torch.distributed's point-to-point and collective calls and checked against
 torch's own ``torch.distributed.tensor.parallel`` and ``torch.distributed.pipelining`` on CPU gloo.
 """
+
+from minifsdp.parallel import tensor_parallel
+from minifsdp.parallel.tensor_parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    TPShard,
+    copy_to_tensor_parallel,
+    full_tensor,
+    parallelize_module,
+    reduce_from_tensor_parallel,
+)
