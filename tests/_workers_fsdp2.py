@@ -27,7 +27,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
 
 @contextlib.contextmanager
 def record_collectives(log: list):
-    """Append (kind, numel, dtype) for each all-gather / reduce-scatter issued inside the block."""
+    """Append (kind, numel, dtype) for each all-gather / reduce-scatter / all-reduce issued inside the block."""
     saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
 
     def wrap(name, fn):
@@ -36,8 +36,14 @@ def record_collectives(log: list):
             return fn(output, input, *args, **kwargs)
         return recorded
 
+    saved["all_reduce"] = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):  # HSDP's average over the replicas
+        log.append(("all_reduce", tensor.numel(), str(tensor.dtype)))
+        return saved["all_reduce"](tensor, *args, **kwargs)
+
     for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
+        setattr(dist, name, all_reduce if name == "all_reduce" else wrap(name, fn))
     try:
         yield log
     finally:
@@ -92,7 +98,9 @@ def parity(case: dict) -> dict:
     """Ours and torch's FSDP2 trained side by side; ``case["fault"] == "no_divide"`` plants a bug in ours."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**case.get("cfg", {}))
-    mesh = init_device_mesh("cpu", (world,))
+    shape = tuple(case.get("mesh", (world,)))
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     result = {}
     for impl in case.get("impls", ("torch", "ours")):
         model = _shard(TinyGPT(cfg, seed=0), impl, case, mesh)

@@ -26,7 +26,8 @@ keeps its parameters from forward to backward (they would be gathered again at o
 An int (reshard to a smaller group) is not supported here.
 
 How ours differs from torch's, on purpose: the sharded parameters are ``nn.Parameter`` subclasses, not
-DTensors (see :mod:`minifsdp.fsdp2.param`); ``mesh`` may be a 1-D ``DeviceMesh`` or a process group (no HSDP);
+DTensors (see :mod:`minifsdp.fsdp2.param`); ``mesh`` may be a 1-D ``DeviceMesh``, a process group, or a 2-D
+``DeviceMesh`` ``(replicate, shard)`` for HSDP;
 everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with), so the
 collectives are issued in the same order as torch's but never overlap compute; no ``offload_policy``
 other than none.  Prefetching: the implicit backward prefetch of the previous group, and the explicit
@@ -232,14 +233,18 @@ def _swap_class(module: nn.Module) -> None:
     module.__class__ = new_cls
 
 
-def _resolve_group(mesh):
+def _resolve_groups(mesh):
+    """``(shard group, replicate group or None)``: None -> the world; a 1-D ``DeviceMesh`` or a process group
+    -> shard over it; a 2-D ``DeviceMesh`` -> HSDP, dim 0 replicates and dim 1 shards (torch's convention)."""
     if mesh is None:
-        return dist.group.WORLD
+        return dist.group.WORLD, None
     if hasattr(mesh, "get_group"):  # a torch DeviceMesh
-        if mesh.ndim != 1:
-            raise NotImplementedError("fully_shard here takes a 1-D mesh; HSDP (a 2-D mesh) is not built")
-        return mesh.get_group()
-    return mesh  # a process group
+        if mesh.ndim == 1:
+            return mesh.get_group(), None
+        if mesh.ndim == 2:
+            return mesh.get_group(1), mesh.get_group(0)
+        raise ValueError(f"fully_shard: a mesh of 1 or 2 dimensions, not {mesh.ndim}")
+    return mesh, None  # a process group
 
 
 def _managed_params(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, list[tuple[nn.Module, str]]]]:
@@ -276,12 +281,12 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         raise NotImplementedError("fully_shard: CPU offloading (CPUOffloadPolicy) is not built here")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("fully_shard: an int reshard_after_forward (a smaller group) is not built here")
-    group = _resolve_group(mesh)
+    group, replicate_group = _resolve_groups(mesh)
     params, users = _managed_params(module)
     param_group = None
     if params:
         param_group = FSDPParamGroup(params, users, group, get_collectives(collectives), mp_policy,
-                                     reshard_after_forward is not False)
+                                     reshard_after_forward is not False, replicate_group)
     state = FSDPState(module, param_group, mp_policy, auto_reshard=reshard_after_forward is None)
     module.__dict__[_STATE_ATTR] = state
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)

@@ -21,6 +21,9 @@ which hook ran last; :class:`~minifsdp.fsdp2.param.ShardedState` (SHARDED / UNSH
 data is.  Implicit backward prefetch (as torch's): a group's pre-backward also all-gathers the group
 whose forward ended just before its own, so that gather is issued before this group's reduce-scatter.
 
+HSDP (a 2-D mesh ``(replicate, shard)``): gathers and reduce-scatters run inside the shard group; the
+reduced shard is then all-reduced (averaged) over the replicate group, ranks holding the same rows.
+
 Note (collectives): ``comm`` is :func:`minifsdp.comm.get_collectives` -- ``"torch"`` (torch.distributed's
 ``all_gather_single`` / ``reduce_scatter_single``, the ones torch FSDP2 calls, hence bitwise parity) or
 ``"ring"`` (our hand-written ring over send/recv; sums in another order, so equal only to rounding).
@@ -74,8 +77,10 @@ class FSDPParamGroup:
     """The parameters of one ``fully_shard`` call and the two collectives that move them."""
 
     def __init__(self, params: list[nn.Parameter], users: dict[int, list[tuple[nn.Module, str]]],
-                 group, comm, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool):
-        self.group = group
+                 group, comm, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
+                 replicate_group=None):
+        self.group = group  # the shard group: all-gathers and reduce-scatters run over it
+        self.replicate_group = replicate_group  # HSDP: the reduced shards are then averaged over it
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.comm = comm
         self.mp_policy = mp_policy
@@ -141,7 +146,8 @@ class FSDPParamGroup:
                 chunks[r, : chunk.shape[0]].copy_(chunk)
             offset += m
         del grads
-        op, before, after = reduce_scatter_op(n, reduce_dtype)
+        replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
+        op, before, after = reduce_scatter_op(n * replicas, reduce_dtype)  # divide by all data-parallel ranks
         if before is not None and before != 1:
             inp.div_(before)
         out = torch.empty(total, dtype=reduce_dtype, device=inp.device)
@@ -149,6 +155,8 @@ class FSDPParamGroup:
             self.comm.reduce_scatter(out, inp.view(-1), op=op, group=self.group)
         else:
             out.copy_(inp.view(-1))
+        if replicas > 1:  # HSDP: the same shard on every replica, averaged (torch: after the reduce-scatter)
+            self.comm.all_reduce(out, op=op, group=self.replicate_group)
         if after is not None and after != 1:
             out.div_(after)
         offset = 0
