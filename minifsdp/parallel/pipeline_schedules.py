@@ -86,7 +86,8 @@ class PipelineScheduleSingle:
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
         """Run one step on the whole batch: ``step(x)`` on the first stage, ``step(target=y, losses=l)`` on the
         last, ``step()`` in between.  Returns the last stage's outputs (all micro-batches, concatenated along
-        dim 0), None elsewhere.
+        dim 0), None elsewhere.  As torch's, ``target`` and ``losses`` are ignored on the other stages, so code
+        that passes them everywhere, written for torch, runs unchanged.
         """
         stage, M = self._stage, self._n_microbatches
         if kwargs:
