@@ -25,6 +25,9 @@ holds 16Ψ/N plus one or two units' unsharded parameters at a time.  FSDP also
 pads each unit's flat parameter to a multiple of N (:func:`sharded_numel`), and
 torch's Adam keeps a 4-byte ``step`` tensor per optimized tensor.
 
+    fsdp_model_state_bytes(units, N)      # exact, padding and AdamW's step included (exercise 2.3b)
+    bytes_sent_per_step(units, N, "FULL_SHARD")   # chapter 2.4: what our ring sends in one step (exercise 2.4)
+
     rows = memory_rows(num_params=29_568, world_sizes=[1, 2, 4, 8])
     print(format_rows(rows)); plot_memory_vs_world_size(rows)
     plot_timeline(tracker)     # a measured step (minifsdp.memory.MemoryTracker) beside the formulas
@@ -35,11 +38,16 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from minifsdp.comm.ring import chunk_bounds
+
 __all__ = [
     "BYTES_PER_PARAM",
     "STAGE_OF",
     "model_state_bytes",
     "sharded_numel",
+    "fsdp_model_state_bytes",
+    "ring_all_reduce_bytes_sent",
+    "bytes_sent_per_step",
     "memory_rows",
     "format_rows",
     "plot_memory_vs_world_size",
@@ -111,6 +119,58 @@ def sharded_numel(unit_numels: Iterable[int], world_size: int) -> int:
         unit of 10 elements, N = 4:  [0 1 2 | 3 4 5 | 6 7 8 | 9 p p]  -> 3 per rank (2 of them padding)
     """
     return sum(math.ceil(n / world_size) for n in unit_numels)
+
+
+def fsdp_model_state_bytes(unit_numels: Iterable[int], world_size: int) -> int:
+    """Our FSDP's (and torch FSDP1's) fp32 AdamW model state per rank at rest, exactly (exercise 2.3b).
+
+    ``unit_numels``: each unit's unpadded flat-parameter numel.  The shards (padding included)
+    times 4 + 4 + 8 bytes, plus AdamW's 4-byte ``step`` tensor per optimized flat parameter.
+    FULL_SHARD and SHARD_GRAD_OP between steps; NO_SHARD (and one rank) is ``world_size=1``.
+    """
+    units = list(unit_numels)
+    shard = sharded_numel(units, world_size)
+    total = model_state_bytes(shard * world_size, world_size, "FULL_SHARD", extra_optimizer_bytes=4 * len(units))
+    return int(total["total"])
+
+
+def ring_all_reduce_bytes_sent(numel: int, world_size: int, rank: int, itemsize: int = 4) -> int:
+    """Bytes ``rank`` sends in our ring all-reduce of ``numel`` elements (``minifsdp.comm.ring``).
+
+    The reduce-scatter sends every chunk but chunk ``rank``, the all-gather every chunk but chunk
+    ``rank + 1``: 2(N-1)/N of the data when N divides it, a few elements off per rank when not.
+    """
+    sizes = [b - a for a, b in chunk_bounds(numel, world_size)]
+    if world_size == 1:
+        return 0
+    return (2 * numel - sizes[rank % world_size] - sizes[(rank + 1) % world_size]) * itemsize
+
+
+def bytes_sent_per_step(unit_numels: Iterable[int], world_size: int, strategy: str, itemsize: int = 4,
+                        rank: int = 0) -> int:
+    """Bytes one rank sends through our ring collectives in one training step (exercise 2.4).
+
+    ``unit_numels``: unpadded flat-parameter numels, the root unit first.  DDP: one all-reduce of
+    the whole model (one bucket).  FSDP pads each unit to a multiple of N; each all-gather or
+    reduce-scatter sends (N-1)/N of it.  FULL_SHARD gathers every unit in the forward and every
+    unit but the root again in the backward (the root is not freed after the forward, as in
+    torch FSDP1); SHARD_GRAD_OP gathers once; both reduce-scatter every unit; NO_SHARD all-reduces
+    each unit (unpadded).  Headers and DDP's buffer broadcasts (not ring traffic) are not counted.
+    """
+    units, n = list(unit_numels), world_size
+    key = str(strategy).upper().replace("SHARDINGSTRATEGY.", "")
+    if n == 1:
+        return 0  # FSDP falls back to NO_SHARD; a ring of one sends nothing
+    if key == "DDP":
+        return ring_all_reduce_bytes_sent(sum(units), n, rank, itemsize)
+    if key == "NO_SHARD":
+        return sum(ring_all_reduce_bytes_sent(u, n, rank, itemsize) for u in units)
+    one = [math.ceil(u / n) * (n - 1) * itemsize for u in units]  # (N-1)/N of the padded unit
+    if key == "SHARD_GRAD_OP":
+        return 2 * sum(one)
+    if key == "FULL_SHARD":
+        return 3 * sum(one) - one[0]
+    raise ValueError(f"unknown strategy {strategy!r}; use DDP, FULL_SHARD, SHARD_GRAD_OP or NO_SHARD.")
 
 
 def memory_rows(

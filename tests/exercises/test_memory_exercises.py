@@ -1,0 +1,99 @@
+"""Grades tasks 2.3a-b and 2.4: ``--impl=reference`` checks minifsdp.memory.zero_formulas,
+``--impl=student`` the stubs in exercises/memory_tasks.py.
+
+Oracles: 2.3a the ZeRO paper's published numbers (Figure 1: Ψ = 7.5B, N = 64) and small cases
+done by hand; 2.3b and 2.4 a *measurement*, not a formula: one spawn of 3 ranks
+(tests/_workers_memory_ex.py) trains TinyGPT one AdamW step with our DDP and our FSDP (FULL_SHARD,
+SHARD_GRAD_OP, NO_SHARD; ring collectives) at world sizes 2 and 3, and records per rank the model
+state held at rest (``snapshot``: bytes of the tensors' storages) and the bytes ``count_bytes()``
+saw sent.  Bytes are integers: every comparison is exact.
+
+Each test calls the function once on a small case *before* asking for the measurement, so the
+untouched stubs fail at once and never wait for the spawn.
+"""
+
+import importlib
+
+import pytest
+
+import minifsdp
+from tests._workers_memory_ex import SETUPS, measure_memory_and_bytes
+
+MODULES = {"reference": "minifsdp.memory.zero_formulas", "student": "exercises.memory_tasks"}
+
+
+def _fn(impl, name):
+    mod = importlib.import_module(MODULES[impl])
+    if impl == "student":
+        return getattr(mod, name)
+    if name == "model_state_bytes_per_rank":
+        return lambda psi, n, stage: mod.model_state_bytes(psi, n, stage, "mixed_adam")["total"]
+    return {"fsdp_model_state_bytes_per_rank": mod.fsdp_model_state_bytes,
+            "bytes_sent_per_rank": mod.bytes_sent_per_step}[name]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """{world size: [rank 0's, rank 1's, ...]} of {setup: {units, sent, messages, model_state}}."""
+    ranks = minifsdp.spawn(measure_memory_and_bytes, world_size=3, timeout_s=120)
+    return {n: [r[n] for r in ranks if n in r] for n in (2, 3)}
+
+
+def test_task2_3a_zero_stages(impl):
+    f = _fn(impl, "model_state_bytes_per_rank")
+    assert f(1000, 4, 0) == 16000
+    # the ZeRO paper's Figure 1: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB
+    psi, n = 7.5e9, 64
+    assert [f(psi, n, s) for s in range(4)] == [120e9, 31.40625e9, 16.640625e9, 1.875e9]
+    assert f(1000, 4, 1) == 4000 + 3000  # 4Ψ + 12Ψ/N
+    assert f(1000, 4, 2) == 2000 + 3500  # 2Ψ + 14Ψ/N
+    assert f(1000, 4, 3) == 4000  # 16Ψ/N
+    assert f(1000, 1, 3) == f(1000, 1, 0) == 16000  # one rank: nothing to shard
+    assert all(f(1000, n, 0) == 16000 for n in (1, 2, 8))  # DDP: every rank holds everything
+    with pytest.raises(ValueError):
+        f(1000, 4, 4)
+
+
+@pytest.mark.timeout(180)
+def test_task2_3b_fsdp_model_state_measured(impl, request):
+    f = _fn(impl, "fsdp_model_state_bytes_per_rank")
+    assert f([10], 4) == 16 * 3 + 4  # 10 elements on 4 ranks: 3 per rank (padding), AdamW's step
+    assert f([8, 8], 1) == 16 * 16 + 2 * 4
+    measured = request.getfixturevalue("measured")
+    checked = 0
+    for n, ranks in measured.items():
+        assert len(ranks) == n, f"world size {n}: {len(ranks)} ranks measured"
+        for rank, res in enumerate(ranks):
+            for kind in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+                units, got = res[kind]["units"], res[kind]["model_state"]
+                assert len(units) == 3, units  # the root and two blocks
+                # NO_SHARD keeps the whole unit on every rank: what one rank alone holds
+                want = f(units, 1 if kind == "NO_SHARD" else n)
+                assert want == got, (f"{kind}, {n} ranks, rank {rank}, units {units}: you predict {want} bytes, "
+                                     f"the rank holds {got} (measured from its tensors)")
+                checked += 1
+    assert checked == 3 * (2 + 3)
+
+
+@pytest.mark.timeout(180)
+def test_task2_4_bytes_sent_measured(impl, request):
+    f = _fn(impl, "bytes_sent_per_rank")
+    assert f([4, 4], 1, "FULL_SHARD") == 0  # one rank: no ring, nothing sent
+    assert f([8, 8], 2, "SHARD_GRAD_OP", itemsize=2) == 2 * (4 + 4) * 2  # (N-1)/N = 1/2 of each, twice
+    with pytest.raises(ValueError):
+        f([8], 2, "HYBRID")
+    measured = request.getfixturevalue("measured")
+    checked = 0
+    for n, ranks in measured.items():
+        assert len(ranks) == n, f"world size {n}: {len(ranks)} ranks measured"
+        units = ranks[0]["FULL_SHARD"]["units"]
+        for rank, res in enumerate(ranks):
+            for kind in SETUPS:
+                want, got = f(units, n, kind, rank=rank), res[kind]["sent"]
+                assert want == got, (f"{kind}, {n} ranks, rank {rank}, units {units}: you predict {want} bytes "
+                                     f"sent, count_bytes() counted {got} ({res[kind]['messages']} messages)")
+                checked += 1
+    assert checked == len(SETUPS) * (2 + 3)
+    # what the chapter says, read off the measurement: FULL_SHARD moves more than DDP, SHARD_GRAD_OP the same
+    r0 = measured[2][0]
+    assert r0["SHARD_GRAD_OP"]["sent"] == r0["DDP"]["sent"] < r0["FULL_SHARD"]["sent"]
