@@ -41,7 +41,8 @@ CASES_2 = {
     "ring": {"collectives": "ring"},
 }
 CASES_3 = {"odd": {"cfg": ODD, "steps": 2}, "ring_odd": {"collectives": "ring", "cfg": ODD, "steps": 2}}
-CASES_4 = {"hsdp_odd": {"mesh": (2, 2), "ours_mesh": True, "cfg": ODD, "steps": 2}}
+CASES_4 = {"hsdp_odd": {"mesh": (2, 2), "ours_mesh": True, "cfg": ODD, "steps": 2},
+           "reshard_to_2": {"reshard_after_forward": 2, "cfg": ODD, "steps": 2}}
 PARITY = ["default", "odd", "no_reshard", "accumulate", "bf16", "frozen", "bf16_accumulate", "prefetch"]
 
 
@@ -227,3 +228,17 @@ def test_hsdp_2d_mesh_world_4(ranks4):
     shards = [r["hsdp_odd"]["ours"]["locals"]["tok_emb.weight"] for r in ranks4]
     assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])
     assert (shards[0].shape[0], shards[1].shape[0]) == (48, 47)
+
+
+def test_int_reshard_after_forward_world_4(ranks4):
+    """``reshard_after_forward=2`` at 4 ranks (odd widths): after forward each rank keeps half of each full
+    parameter; backward's all-gather runs inside pairs of ranks.  Bitwise as torch FSDP2, and the recorded
+    collectives agree: backward's gathers take twice the forward's input (1/2 instead of 1/4 per rank)."""
+    for rank_result in ranks4:
+        _check_parity(rank_result["reshard_to_2"])
+        t, o = (rank_result["reshard_to_2"][impl]["collectives"] for impl in ("torch", "ours"))
+        assert len(t) == len(o) > 0 and t == o
+    gathers = [n for kind, n, _ in ranks4[0]["reshard_to_2"]["ours"]["collectives"] if kind == "all_gather"]
+    forward, backward = gathers[:3], gathers[3:6]  # root, b0, b1; in backward root (resharded too), b1, b0
+    assert backward == [2 * forward[0], 2 * forward[2], 2 * forward[1]]
+    assert len(gathers) == 12  # 2 steps

@@ -51,6 +51,7 @@ class ShardedState(Enum):
     """Where a parameter group's data lives right now."""
 
     SHARDED = auto()    # modules hold the sharded parameters; the full buffers are freed
+    SHARDED_POST_FORWARD = auto()  # int reshard_after_forward: a 1/k piece of the full buffer kept for backward
     UNSHARDED = auto()  # modules hold the full (unsharded) parameters
 
 
@@ -154,6 +155,7 @@ class FSDPParam:
         self.full_padded: torch.Tensor | None = None  # (N * c * prod(rest),) in param_dtype, lazily made
         self.unsharded_param: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # in reduce_dtype, while grads are not synced
+        self.piece: torch.Tensor | None = None  # SHARDED_POST_FORWARD: 1/k of the full buffer, param_dtype
         self.to_sharded()
 
     @property
@@ -181,13 +183,24 @@ class FSDPParam:
         _alloc(self.full_padded)
         return self.full_padded
 
-    def copy_out(self, gathered: torch.Tensor, offset: int) -> None:
-        """Copy this parameter's columns ``[offset, offset + shard_numel)`` of every rank's gathered row
-        (``gathered``: ``(N, total)``) into the full buffer, rank after rank."""
+    def copy_out(self, gathered: torch.Tensor, offset: int, numel: int | None = None) -> None:
+        """Copy this parameter's columns ``[offset, offset + numel)`` of every rank's gathered row
+        (``gathered``: ``(P, total)``, P ranks) into the full buffer, rank after rank.  ``numel`` is one
+        rank's share: ``shard_numel`` (P = N), or a post-forward piece (P = k, see :meth:`keep_piece`)."""
+        numel = self.shard_numel if numel is None else numel
+        parts = gathered.shape[0]
         buf = self.alloc_unsharded()
         # The same tensor is refilled every iteration: keep autograd's version check from seeing it.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            buf.view(self.world_size, self.shard_numel).copy_(gathered[:, offset: offset + self.shard_numel])
+            buf.view(parts, numel).copy_(gathered[:, offset: offset + numel])
+        self.piece = None
+
+    def keep_piece(self, parts: int, index: int) -> None:
+        """Reshard to a smaller group (torch's int ``reshard_after_forward=k``): keep piece ``index`` of
+        the full padded buffer cut in ``parts`` equal flat pieces (so backward gathers from k ranks, not N),
+        then free the full buffer.  The modules get the sharded parameters back meanwhile."""
+        self.piece = self.full_padded.view(parts, -1)[index].clone()
+        self.to_sharded()
 
     def free_unsharded(self) -> None:
         if self.full_padded is not None:

@@ -21,6 +21,9 @@ which hook ran last; :class:`~minifsdp.fsdp2.param.ShardedState` (SHARDED / UNSH
 data is.  Implicit backward prefetch (as torch's): a group's pre-backward also all-gathers the group
 whose forward ended just before its own, so that gather is issued before this group's reduce-scatter.
 
+An int ``reshard_after_forward=k`` (torch's): after forward each rank keeps 1/k of the full buffers
+(state SHARDED_POST_FORWARD) and backward's all-gather runs in a group of k ranks; after backward, 1/N.
+
 HSDP (a 2-D mesh ``(replicate, shard)``): gathers and reduce-scatters run inside the shard group; the
 reduced shard is then all-reduced (averaged) over the replicate group, ranks holding the same rows.
 
@@ -78,7 +81,7 @@ class FSDPParamGroup:
 
     def __init__(self, params: list[nn.Parameter], users: dict[int, list[tuple[nn.Module, str]]],
                  group, comm, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
-                 replicate_group=None):
+                 replicate_group=None, post_forward_group=None):
         self.group = group  # the shard group: all-gathers and reduce-scatters run over it
         self.replicate_group = replicate_group  # HSDP: the reduced shards are then averaged over it
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -90,6 +93,7 @@ class FSDPParamGroup:
             for p in params
         ]
         self.reshard_after_forward = reshard_after_forward
+        self.post_forward_group = post_forward_group  # int reshard_after_forward: the k ranks to reshard to
         self.reshard_after_backward = True
         self.reduce_grads = True  # set_requires_gradient_sync
         self.sharded_state = ShardedState.SHARDED
@@ -106,31 +110,46 @@ class FSDPParamGroup:
         """All-gather every parameter of the group into its full buffer; install the full parameters."""
         if self.is_unsharded:
             return
-        inputs = [p.all_gather_input() for p in self.fsdp_params]
+        group, world, rank = self.group, self.world_size, self.rank
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # gather the pieces from k ranks only
+            group = self.post_forward_group
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            inputs = [p.piece for p in self.fsdp_params]
+        else:
+            inputs = [p.all_gather_input() for p in self.fsdp_params]
         numels = [t.numel() for t in inputs]
         total = sum(numels)
         dtype = inputs[0].dtype
-        gathered = torch.empty(self.world_size * total, dtype=dtype, device=inputs[0].device)
-        mine = gathered.narrow(0, self.rank * total, total)
+        gathered = torch.empty(world * total, dtype=dtype, device=inputs[0].device)
+        mine = gathered.narrow(0, rank * total, total)
         torch.cat(inputs, out=mine)  # copy-in
-        if self.world_size > 1:
-            self.comm.all_gather(gathered, mine, group=self.group)
-        rows = gathered.view(self.world_size, total)
+        if world > 1:
+            self.comm.all_gather(gathered, mine, group=group)
+        rows = gathered.view(world, total)
         offset = 0
         for p, n in zip(self.fsdp_params, numels, strict=True):  # copy-out
-            p.copy_out(rows, offset)
+            p.copy_out(rows, offset, n)
             offset += n
         for p in self.fsdp_params:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
-        """Install the sharded parameters again and free the full buffers."""
+        """Install the sharded parameters again and free the full buffers (and any post-forward pieces)."""
+        for p in self.fsdp_params:
+            p.piece = None
+            if self.is_unsharded:
+                p.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    def reshard_post_forward(self) -> None:
+        """Keep 1/k of each full buffer (k = the post-forward group's size) instead of 1/N."""
         if not self.is_unsharded:
             return
+        parts, index = dist.get_world_size(self.post_forward_group), dist.get_rank(self.post_forward_group)
         for p in self.fsdp_params:
-            p.to_sharded()
-        self.sharded_state = ShardedState.SHARDED
+            p.keep_piece(parts, index)
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def reduce_scatter_grads(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         """One reduce-scatter (average over ranks) of the chunk-concatenated full grads; each rank keeps its rows."""
@@ -175,7 +194,9 @@ class FSDPParamGroup:
         return args, kwargs
 
     def post_forward(self) -> None:
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and self.post_forward_group is not None:
+            self.reshard_post_forward()
+        elif self.reshard_after_forward:
             self.reshard()
         if self.comm_ctx is not None and torch.is_grad_enabled():  # no backward follows a no-grad forward
             self._post_forward_indices.append(len(self.comm_ctx.post_forward_order))
