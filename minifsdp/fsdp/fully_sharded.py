@@ -51,16 +51,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from minifsdp.fsdp import full_params, optim_state
+from minifsdp.fsdp import deferred_init, full_params, optim_state
 from minifsdp.fsdp import state_dict_type as sd_type
 from minifsdp.fsdp import torch_options as opts
 from minifsdp.fsdp.backward import post_backward, pre_backward, register_reshard_only_hook
-from minifsdp.fsdp.checks import (
-    broadcast_from_rank0,
-    check_one_device,
-    check_same_on_all_ranks,
-    install_optimizer_check,
-)
+from minifsdp.fsdp.checks import check_one_device, check_same_on_all_ranks, install_optimizer_check
 from minifsdp.fsdp.dtype_change import adopt_dtype, flat_param_registered
 from minifsdp.fsdp.events import span
 from minifsdp.fsdp.handle import FlatParamHandle
@@ -86,7 +81,8 @@ class FullyShardedDataParallel(Unit):
         auto_wrap_policy: e.g. ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
         use_orig_params: show the original parameters (views of the local shard) instead of flat ones.
         device_id: move the module there first (``torch.device("cpu")``, or a CUDA index).
-        sync_module_states: copy rank 0's parameters and buffers to every rank at wrap time.
+        sync_module_states: copy rank 0's parameters and buffers to every rank at wrap time, unit by unit
+            (on CPU too: torch FSDP1's needs a GPU).
         device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.
         collectives: ``"torch"`` (torch.distributed's) or ``"ring"`` (ours, ``minifsdp.comm.collectives``).
         mixed_precision: a :class:`~minifsdp.fsdp.mixed_precision.MixedPrecision` (fp32 master shards,
@@ -97,7 +93,8 @@ class FullyShardedDataParallel(Unit):
             in flight (an all-gather a unit needs right now is never refused).
         cpu_offload, ignored_modules, ignored_states: torch's, read as ``torch_options.py`` says
             (torch's ``ShardingStrategy`` / ``BackwardPrefetch`` / ``MixedPrecision`` are taken too).
-        param_init_fn: refused (a meta-device module is not supported).
+        param_init_fn: for a model built on the meta device, called on each module of a unit before it is
+            flattened (without it: ``to_empty`` + ``reset_parameters()``), as torch: ``deferred_init.py``.
 
     Positional order is torch's.  The torch-API surface beyond the core (state-dict types,
     traversal, ``apply``, indexing) maps onto it in ``state_dict_type.py``, ``optim_state.py``
@@ -117,9 +114,6 @@ class FullyShardedDataParallel(Unit):
         if not dist.is_initialized():
             raise RuntimeError("FSDP needs a process group: call dist.init_process_group first "
                                "(or run your function with minifsdp.spawn).")
-        if param_init_fn is not None:
-            raise NotImplementedError("FSDP(param_init_fn=...) is not implemented in minifsdp: build the module "
-                                      "on a real device (not 'meta') and pass it initialized")
         sharding_strategy = opts.normalize_strategy(sharding_strategy)  # torch_options.py: torch's keywords
         backward_prefetch = opts.normalize_prefetch(backward_prefetch)
         mixed_precision = opts.normalize_mixed_precision(mixed_precision)
@@ -148,7 +142,7 @@ class FullyShardedDataParallel(Unit):
                           use_orig_params=use_orig_params, device_id=device_id, ignored_states=ignored or None,
                           sync_module_states=sync_module_states, device_mesh=device_mesh, collectives=collectives,
                           backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
-                          limit_all_gathers=limit_all_gathers)
+                          limit_all_gathers=limit_all_gathers, param_init_fn=param_init_fn)
             fp32 = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
             if fp32:  # as torch: those modules become their own units, without mixed precision
                 auto_wrap_policy = opts.policy_with_mp_overrides(auto_wrap_policy, fp32)
@@ -156,6 +150,7 @@ class FullyShardedDataParallel(Unit):
             recursive_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(
                 m, mixed_precision=None if isinstance(m, fp32) else mixed_precision, **kwargs),
                 only_wrap_children=True, ignored=ignored_mods)
+        deferred_init.materialize(module, param_init_fn, device_id, ignored_mods, ignored)  # a meta-device model
         if device_id is not None:
             module.to(torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id))
         self._fsdp_wrapped_module = module
@@ -165,7 +160,7 @@ class FullyShardedDataParallel(Unit):
         buffers = [b for b in _own_buffers(module) if id(b) not in ignored_buffers]
         check_one_device(module, params, buffers)
         if sync_module_states:
-            broadcast_from_rank0(self.groups, params + buffers)
+            deferred_init.sync_module_states(self.groups, module, params, buffers)  # shapes checked first
         else:
             check_same_on_all_ranks(self.groups, module, params, buffers)
         self._handle = None

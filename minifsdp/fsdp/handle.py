@@ -114,8 +114,10 @@ class FlatParamHandle(GradientReduction):
         self.full_precision = False  # summon_full_params: gather fp32 (torch's _force_full_precision)
         self.flat_param = nn.Parameter(shard(full, self.rank, n), requires_grad=requires_grad)  # n = 1: all
         if self.frees:
-            self.padded = torch.empty_like(full, dtype=self.param_dtype)
-            self.unsharded = torch.empty(0, dtype=self.param_dtype, device=full.device).requires_grad_(requires_grad)
+            shape, device = full.shape, full.device
+            del full  # first: at most one unit-sized copy beside the originals (the peak of a meta-device init)
+            self.padded = torch.empty(shape, dtype=self.param_dtype, device=device)
+            self.unsharded = torch.empty(0, dtype=self.param_dtype, device=device).requires_grad_(requires_grad)
             self.unsharded.data = self.padded[: self.layout.numel]  # own version counter: see Note
             self.padded.untyped_storage().resize_(0)  # starts freed
             self.state = HandleState.SHARDED
