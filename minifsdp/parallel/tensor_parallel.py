@@ -143,6 +143,7 @@ def _shard_parameter(module: nn.Module, name: str, dim: int, chunks: int, group,
     local = nn.Parameter(_take(full.detach(), shard).clone(), requires_grad=full.requires_grad)
     local.tp_shard = shard
     setattr(module, name, local)
+    module._tp_shard = shard  # the hooks read it here: under FSDP1 ``module.weight`` is a plain view without it
 
 
 def full_tensor(tensor: torch.Tensor, shard: TPShard | None = None) -> torch.Tensor:
@@ -188,7 +189,7 @@ class ParallelStyle:
 
 def _colwise_pre_hook(module: nn.Linear, args: tuple) -> tuple:
     """Before a column-parallel Linear: its input goes through f (the gradient's all-reduce)."""
-    shard = module.weight.tp_shard
+    shard = module._tp_shard
     return (copy_to_tensor_parallel(args[0], shard.group, shard.collectives), *args[1:])
 
 
@@ -226,7 +227,7 @@ class ColwiseParallel(ParallelStyle):
 
 def _rowwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The forward of a row-parallel Linear: partial product, all-reduce (g), then the whole bias once."""
-    shard = self.weight.tp_shard
+    shard = self._tp_shard
     out = reduce_from_tensor_parallel(F.linear(x, self.weight), shard.group, shard.collectives)
     return out if self.bias is None else out + self.bias
 
