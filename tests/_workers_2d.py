@@ -31,9 +31,9 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor.parallel as ttp
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed.tensor.parallel as ttp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -224,9 +224,9 @@ def _pp_case(mesh, strategy: str, m: int, accumulate: bool = False) -> dict:
     """One GPipe step over 2 stages, each stage our FSDP (one unit per Linear) over its dp group; SGD."""
     pp, dp = mesh["pp"], mesh["dp"]
     s = pp.get_local_rank()
+    per_linear = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})
     stage_mod = FSDP(MLP(PP_DIMS[s], seed=s), process_group=dp.get_group(), device_id=CPU,
-                     sharding_strategy=ShardingStrategy[strategy],
-                     auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}))
+                     sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=per_linear)
     stage = PipelineStage(stage_mod, s, 2, CPU, group=pp.get_group())
     sched = ScheduleGPipe(stage, m, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(stage_mod.parameters(), lr=0.1)
