@@ -103,6 +103,9 @@ def case_parity(rank, world):
         }
         out[impl]["full_after"] = full_state(impl, fsdp)
         out[impl]["shards_after"] = [p.detach().clone() for p in fsdp.parameters()]
+    model = meta_gpt()  # the planted fault: another seed in param_init_fn (the comparisons must see it)
+    fault = wrap("ours", model, tinygpt_param_init_fn(model, seed=1))
+    out["fault"] = {"shards": [p.detach().clone() for p in fault.parameters()], "full": full_state("ours", fault)}
     ref = TinyGPT(GPTConfig(n_layer=2), seed=0)
     out["reference"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     return out
