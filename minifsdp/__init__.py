@@ -60,7 +60,16 @@ from minifsdp.fsdp import (
 from minifsdp.launch import RankFailedError, spawn
 from minifsdp.memory import MemoryTracker, model_state_bytes, snapshot
 from minifsdp.models import MLP, CharCorpus, GPTConfig, TinyGPT
-from minifsdp.parallel import ColwiseParallel, RowwiseParallel, parallelize_module, tensor_parallel
+from minifsdp.parallel import (
+    ColwiseParallel,
+    PipelineStage,
+    RowwiseParallel,
+    Schedule1F1B,
+    ScheduleGPipe,
+    parallelize_module,
+    pipelining,
+    tensor_parallel,
+)
 
 __all__ = [
     "spawn", "RankFailedError",
@@ -76,5 +85,6 @@ __all__ = [
     "MemoryTracker", "snapshot", "model_state_bytes",
     "TinyGPT", "GPTConfig", "MLP", "CharCorpus",
     "ColwiseParallel", "RowwiseParallel", "parallelize_module", "tensor_parallel",
+    "PipelineStage", "ScheduleGPipe", "Schedule1F1B", "pipelining",
 ]
 __version__ = "0.1.0"

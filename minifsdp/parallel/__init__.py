@@ -7,7 +7,18 @@ Both are written on torch.distributed's point-to-point and collective calls and 
 torch's own ``torch.distributed.tensor.parallel`` and ``torch.distributed.pipelining`` on CPU gloo.
 """
 
-from minifsdp.parallel import tensor_parallel
+from minifsdp.parallel import pipelining, tensor_parallel
+from minifsdp.parallel.pipelining import (
+    PipelineScheduleSingle,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    action_order,
+    bubble_fraction,
+    format_timeline,
+    measured_bubble_fraction,
+    simulate_timeline,
+)
 from minifsdp.parallel.tensor_parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -18,3 +29,10 @@ from minifsdp.parallel.tensor_parallel import (
     parallelize_module,
     reduce_from_tensor_parallel,
 )
+
+__all__ = [
+    "tensor_parallel", "ColwiseParallel", "RowwiseParallel", "ParallelStyle", "TPShard", "parallelize_module",
+    "full_tensor", "copy_to_tensor_parallel", "reduce_from_tensor_parallel",
+    "pipelining", "PipelineStage", "PipelineScheduleSingle", "ScheduleGPipe", "Schedule1F1B",
+    "action_order", "bubble_fraction", "measured_bubble_fraction", "simulate_timeline", "format_timeline",
+]
