@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import minifsdp.parallel.tensor_parallel as tp
+from minifsdp import fsdp2
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.fsdp import ShardingStrategy
 from minifsdp.fsdp import sharding as fsdp_sharding
@@ -121,6 +122,28 @@ def _gpt_case(mesh, same_rows: bool = False) -> dict:
         res["ref_losses"] = torch.stack(ref_losses)
         res["ref_params"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
     return res
+
+
+def _gpt_fsdp2_case(mesh) -> dict:
+    """The same TP plan, then our per-parameter ``fully_shard(mesh=mesh["dp"])`` on each Block and the root."""
+    dp, tp_mesh = mesh["dp"], mesh["tp"]
+    base = TinyGPT(GPTConfig.tiny(), seed=0)
+    model = tp.parallelize_module(copy.deepcopy(base), tp_mesh, GPT_PLAN)
+    shards = _tp_shards(model)
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mesh=dp)
+    fsdp2.fully_shard(model, mesh=dp)
+    opt = GPT_OPT(model.parameters())
+    rows = _my_rows(dp.get_local_rank(), dp.size(), False)
+    losses = []
+    for x, y in _batches(base.cfg.vocab_size):
+        loss = model(x[rows], y[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_dp_mean(loss, dp.get_group()))
+    params = {n: tp.full_tensor(p.full_tensor(), shards.get(n)).clone() for n, p in model.named_parameters()}
+    return {"losses": torch.stack(losses), "params": params}
 
 
 def _mlp_data():
@@ -267,7 +290,8 @@ def two_d_worker(with_torch: bool = True) -> dict:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {"coord": (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()),
-           "gpt": _gpt_case(mesh), "gpt_same_rows": _gpt_case(mesh, same_rows=True)}
+           "gpt": _gpt_case(mesh), "gpt_same_rows": _gpt_case(mesh, same_rows=True),
+           "gpt_fsdp2": _gpt_fsdp2_case(mesh)}
     if with_torch:
         out["mlp_torch"] = _mlp_case(mesh)
     out["pp"] = pp_counts(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))

@@ -15,6 +15,10 @@ then our ``FullyShardedDataParallel`` over ``mesh["dp"].get_group()``, one unit 
   Adam divides by its own magnitude: the noise becomes steps of up to ~lr * 1e-2.  Measured with AdamW
   (lr 1e-2, 3 steps): every parameter within 1.9e-7 except 30 of the 96 ``attn.qkv.bias`` entries (all in
   the key third), off by up to 2.5e-5.  The MLP below has no such parameter and uses AdamW.
+* our per-parameter ``minifsdp.fsdp2.fully_shard(mesh=mesh["dp"])`` (each Block, then the root) in place of
+  our FSDP1-style wrapper, the same TP plan and steps: within TOL_2D of the one process, and bitwise equal to
+  the FSDP1-style run (both reduce the same per-rank gradients over 2 dp ranks: a + b in either order is the
+  same float, and / 2 is exact; the TP arithmetic is the same code).
 * torch's own 2-D: ``torch.distributed.tensor.parallel.parallelize_module`` then ``fully_shard(mesh=mesh["dp"])``
   (FSDP2 over DTensor), on ``MLP((16, 32, 32, 8))`` with net.2 colwise / net.4 rowwise (torch's plan cannot
   split TinyGPT's fused qkv by heads), 3 AdamW steps: within TOL_TORCH = 1e-6 (our row-parallel bias is
@@ -106,6 +110,16 @@ def test_fsdp_x_tp_parameters_equal_one_process(res):
         d = _max_diff(r["gpt"]["params"], ref, f"rank {rank} full parameters")
         assert d <= TOL_2D, f"rank {rank}: parameters differ by {d:.3g} after {W.STEPS} steps"
         assert not torch.equal(r["gpt"]["params"]["tok_emb.weight"], W.TinyGPT(W.GPTConfig.tiny()).tok_emb.weight)
+
+
+def test_per_parameter_fully_shard_x_tp_equals_one_process_and_fsdp1(res):
+    ref = res[0]["gpt"]
+    for rank, r in enumerate(res):
+        two = r["gpt_fsdp2"]
+        assert _loss_diff(two["losses"], ref["ref_losses"]) <= TOL_2D, rank
+        assert _max_diff(two["params"], ref["ref_params"], f"rank {rank} fsdp2 x tp vs one process") <= TOL_2D
+        assert _loss_diff(two["losses"], r["gpt"]["losses"]) == 0, rank
+        assert _max_diff(two["params"], r["gpt"]["params"], f"rank {rank} fsdp2 x tp vs fsdp1 x tp") == 0
 
 
 def test_fault_same_rows_on_both_dp_groups_is_caught(res):
