@@ -11,6 +11,7 @@ torch's FSDP2 and our ``get_collectives("torch")`` both make).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -59,14 +60,16 @@ def _shard(model, impl, case, mesh):
     if impl == "ours":
         mp = MixedPrecisionPolicy(param_dtype=_DTYPES[case.get("param_dtype")],
                                   reduce_dtype=_DTYPES[case.get("reduce_dtype")])
+        root_mp = dataclasses.replace(mp, output_dtype=_DTYPES[case.get("root_output_dtype")])
         kw = {"mesh": mesh if case.get("ours_mesh") else None, "collectives": case.get("collectives", "torch")}
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard, mp_policy=mp, **kw)
-        return fully_shard(model, reshard_after_forward=reshard, mp_policy=mp, **kw)
+        return fully_shard(model, reshard_after_forward=reshard, mp_policy=root_mp, **kw)
     mp = TorchMP(param_dtype=_DTYPES[case.get("param_dtype")], reduce_dtype=_DTYPES[case.get("reduce_dtype")])
+    root_mp = dataclasses.replace(mp, output_dtype=_DTYPES[case.get("root_output_dtype")])
     for block in model.blocks:
         torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    return torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    return torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root_mp)
 
 
 def _train(model, case, rank, world):
@@ -85,9 +88,10 @@ def _train(model, case, rank, world):
                 loss = model(x, y)
                 loss.backward()
                 losses.append(loss.detach().float().item())
+                dtypes = str(loss.dtype)
             opt.step()
             opt.zero_grad()
-    return losses, collectives
+    return losses, collectives, dtypes
 
 
 def _locals(model) -> dict[str, torch.Tensor]:
@@ -113,7 +117,7 @@ def parity(case: dict) -> dict:
         if impl == "ours" and case.get("fault") == "no_divide":  # sum instead of average
             ours_param_group.reduce_scatter_op = lambda n, dtype: ("sum", None, None)
         try:
-            losses, collectives = _train(model, case, rank, world)
+            losses, collectives, loss_dtype = _train(model, case, rank, world)
         finally:
             ours_param_group.reduce_scatter_op = saved_op
         result[impl] = {
@@ -124,6 +128,8 @@ def parity(case: dict) -> dict:
             "collectives": collectives,
             "grad_is_none": all(p.grad is None for p in model.parameters()),
             "buffers": {name: b.clone() for name, b in model.named_buffers()},
+            "loss_dtype": loss_dtype,
+            "state_dict": {k: (type(v).__name__, tuple(_local(v).shape)) for k, v in model.state_dict().items()},
             "requires_grad": [p.requires_grad for p in model.parameters()],
         }
         if case.get("api"):

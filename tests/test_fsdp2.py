@@ -36,7 +36,8 @@ CASES_2 = {
     "bf16": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
     "fault": {"impls": ("ours",), "fault": "no_divide"},
     "frozen": {"freeze": ["ln_f", "blocks.0.ln1", "blocks.1.attn.qkv.bias"], "api": True},
-    "bf16_accumulate": {"param_dtype": "bf16", "reduce_dtype": "fp32", "accumulate": 3, "ours_mesh": True},
+    "bf16_accumulate": {"param_dtype": "bf16", "reduce_dtype": "fp32", "root_output_dtype": "fp32", "accumulate": 3,
+                        "ours_mesh": True},
     "prefetch": {"cfg": {"n_layer": 3}, "prefetch": True},
     "ring": {"collectives": "ring"},
 }
@@ -110,6 +111,22 @@ def test_order_shows_the_design(ranks2):
     assert step[:3] == ["all_gather"] * 3 and step[3:6] == ["reduce_scatter"] * 3
     dtypes = {(kind, dtype) for kind, _, dtype in ranks2[0]["bf16"]["ours"]["collectives"]}
     assert dtypes == {("all_gather", "torch.bfloat16"), ("reduce_scatter", "torch.float32")}
+
+
+def test_output_dtype_and_state_dict(ranks2):
+    """``output_dtype=fp32`` on the root casts its bf16 loss back up (as torch's; on the blocks too it would
+    hand fp32 activations to the root's bf16 ``ln_f``, which torch refuses as well); ``state_dict()`` has torch's keys,
+    holding the local rows (ours plain tensors, torch's DTensors with the same local shapes)."""
+    for rank_result in ranks2:
+        for impl in ("ours", "torch"):
+            assert rank_result["bf16"][impl]["loss_dtype"] == "torch.bfloat16"
+            assert rank_result["bf16_accumulate"][impl]["loss_dtype"] == "torch.float32"
+        t, o = rank_result["default"]["torch"]["state_dict"], rank_result["default"]["ours"]["state_dict"]
+        assert list(t) == list(o) and len(o) > 0
+        for key in t:
+            kinds = (o[key][0], t[key][0])
+            assert kinds in {("Tensor", "DTensor"), ("Tensor", "Tensor")} and o[key][1] == t[key][1], key
+        assert o["tok_emb.weight"] == ("Tensor", (48, 32)) and o["blocks.0.attn.causal_mask"][1] == (1, 1, 32, 32)
 
 
 def test_odd_widths_shard_unevenly(ranks2):

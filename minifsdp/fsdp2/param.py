@@ -28,7 +28,11 @@ How ours differs from torch: torch's sharded parameter is a ``DTensor`` (``Shard
 device mesh), with the full DTensor algebra behind it.  Ours is a plain ``nn.Parameter`` subclass that
 holds the local rows and adds the two DTensor methods a user needs, ``to_local()`` (this rank's rows, a
 plain tensor sharing storage) and ``full_tensor()`` (all ranks' rows gathered, a collective).  Math on it
-gives plain tensors of the local shape; it carries no placement algebra.
+gives plain tensors of the local shape; it carries no placement algebra.  Two consequences a user meets:
+``p.shape`` is the local shape (a DTensor's is the global one), and anything that reduces over a parameter
+sees only this rank's rows -- ``torch.nn.utils.clip_grad_norm_`` over our parameters computes each rank's
+*local* norm (over DTensors it reduces over the mesh), so clip with a global norm: the sum of every rank's
+squared local norms, all-reduced.  ``state_dict()`` holds the local rows under the original names.
 
 Note (padding): padding rows are zeros in the padded storage, are gathered, and are cut off by the
 ``[:d0]`` view; gradients for them are reduced and dropped.  They waste ``N * c - d0`` rows per weight.
@@ -108,7 +112,12 @@ class ShardedParameter(nn.Parameter):
     def __repr__(self) -> str:
         return f"ShardedParameter(local {tuple(self.shape)} of {tuple(self._spec.full_size)}, rank {self._spec.rank})"
 
-    def __reduce_ex__(self, proto):  # pickles (and deep-copies) as a plain Parameter of the local rows
+    def __deepcopy__(self, memo):  # the copy keeps its spec (the process group is shared, not copied)
+        out = ShardedParameter(self.detach().clone(), self.requires_grad, self._spec)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, proto):  # pickles as a plain Parameter of the local rows (a process group cannot)
         return (nn.Parameter, (self.detach().clone(), self.requires_grad))
 
 
