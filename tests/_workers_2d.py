@@ -88,7 +88,24 @@ def _tp_shards(model) -> dict:
     return {n: p.tp_shard for n, p in model.named_parameters() if hasattr(p, "tp_shard")}
 
 
-def _gpt_case(mesh, same_rows: bool = False) -> dict:
+@contextlib.contextmanager
+def skip_dp_reduction():
+    """The fault: our FSDP's reduce-scatter keeps this rank's own rows of its own gradient, summing nothing."""
+    saved = fsdp_sharding.Comm.reduce_scatter
+
+    def own_rows_only(self, out, inp, group, async_op=False):
+        r = dist.get_rank(group)
+        out.copy_(inp.reshape(-1)[r * out.numel():(r + 1) * out.numel()].view_as(out))
+        return fsdp_sharding._DoneWork()
+
+    fsdp_sharding.Comm.reduce_scatter = own_rows_only
+    try:
+        yield
+    finally:
+        fsdp_sharding.Comm.reduce_scatter = saved
+
+
+def _gpt_case(mesh, same_rows: bool = False, fault=contextlib.nullcontext) -> dict:
     dp, tp_mesh = mesh["dp"], mesh["tp"]
     base = TinyGPT(GPTConfig.tiny(), seed=0)
     data = _batches(base.cfg.vocab_size)
@@ -101,7 +118,8 @@ def _gpt_case(mesh, same_rows: bool = False) -> dict:
     losses = []
     for x, y in data:
         loss = model(x[rows], y[rows])
-        loss.backward()
+        with fault():
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(_dp_mean(loss, dp.get_group()))
@@ -109,8 +127,8 @@ def _gpt_case(mesh, same_rows: bool = False) -> dict:
            "local_shapes": {n: tuple(p.shape) for n, p in tp.parallelize_module(
                copy.deepcopy(base), tp_mesh, GPT_PLAN).named_parameters()},
            "flat_numel": [p.numel() for p in model.parameters()]}
-    if dist.get_rank() == 0:  # the oracle: one process, the plain model, the whole batch
-        ref = copy.deepcopy(base)
+    if dist.get_rank() == 0 and fault is contextlib.nullcontext and not same_rows:  # the oracle: one process,
+        ref = copy.deepcopy(base)                                           # the plain model, the whole batch
         ropt = GPT_OPT(ref.parameters())
         ref_losses = []
         for x, y in data:
@@ -291,7 +309,7 @@ def two_d_worker(with_torch: bool = True) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {"coord": (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()),
            "gpt": _gpt_case(mesh), "gpt_same_rows": _gpt_case(mesh, same_rows=True),
-           "gpt_fsdp2": _gpt_fsdp2_case(mesh)}
+           "gpt_no_dp_reduction": _gpt_case(mesh, fault=skip_dp_reduction), "gpt_fsdp2": _gpt_fsdp2_case(mesh)}
     if with_torch:
         out["mlp_torch"] = _mlp_case(mesh)
     out["pp"] = pp_counts(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))

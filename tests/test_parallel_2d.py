@@ -24,7 +24,8 @@ then our ``FullyShardedDataParallel`` over ``mesh["dp"].get_group()``, one unit 
   split TinyGPT's fused qkv by heads), 3 AdamW steps: within TOL_TORCH = 1e-6 (our row-parallel bias is
   added after the all-reduce, torch's DTensor adds b/2 on each rank before it; see test_tensor_parallel.py).
   Measured: losses bitwise, parameters 1.5e-8.
-* the fault: both dp groups read the same rows (each tp pair still agreeing): must miss the single process.
+* the faults, each must miss the single process: both dp groups read the same rows (each tp pair still
+  agreeing); our FSDP's reduce-scatter replaced by "keep my own rows of my own gradient" (no dp reduction).
 
 FSDP x PP (the source's DeepSpeed "ZeRO-3 + pipeline" config): two pipeline stages (our ``PipelineStage`` +
 ``ScheduleGPipe`` over ``mesh["pp"]``), each an ``MLP`` wrapped by our FSDP with one unit per Linear (U = 2
@@ -110,6 +111,15 @@ def test_fsdp_x_tp_parameters_equal_one_process(res):
         d = _max_diff(r["gpt"]["params"], ref, f"rank {rank} full parameters")
         assert d <= TOL_2D, f"rank {rank}: parameters differ by {d:.3g} after {W.STEPS} steps"
         assert not torch.equal(r["gpt"]["params"]["tok_emb.weight"], W.TinyGPT(W.GPTConfig.tiny()).tok_emb.weight)
+
+
+def test_fault_no_dp_reduction_is_caught(res):
+    ref = res[0]["gpt"]
+    for rank, r in enumerate(res):
+        bad = r["gpt_no_dp_reduction"]
+        assert bad["losses"][0] == r["gpt"]["losses"][0], rank  # the first loss is before any update
+        assert _loss_diff(bad["losses"], ref["ref_losses"]) > 100 * TOL_2D, rank
+        assert _max_diff(bad["params"], ref["ref_params"], "fault") > 100 * TOL_2D, rank
 
 
 def test_per_parameter_fully_shard_x_tp_equals_one_process_and_fsdp1(res):
