@@ -16,6 +16,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -154,10 +155,32 @@ def _api(model, cfg, rank, world) -> dict:
     return {"eval_logits": logits, "unsharded": gathered, "resharded_shapes": after}
 
 
+def misuse() -> list[tuple[str, str, str]]:
+    """What our ``fully_shard`` says when misused: (what, exception type, message)."""
+    attempts = {
+        "twice": lambda m: fully_shard(fully_shard(m)),
+        "int not dividing": lambda m: fully_shard(m, reshard_after_forward=3),
+        "cpu offload": lambda m: fully_shard(m, offload_policy=CPUOffloadPolicy()),
+        "3-D mesh": lambda m: fully_shard(m, mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size()))),
+    }
+    out = []
+    for what, attempt in attempts.items():
+        try:
+            attempt(TinyGPT(GPTConfig(), seed=0))
+            out.append((what, "no error", ""))
+        except Exception as e:  # noqa: BLE001 -- the test reads the type and message
+            out.append((what, type(e).__name__, str(e)))
+    model = fully_shard(TinyGPT(GPTConfig(), seed=0))
+    handle = model.unshard(async_op=True)
+    handle.wait()
+    out.append(("unshard(async_op=True)", type(model.tok_emb.weight).__name__, str(tuple(model.tok_emb.weight.shape))))
+    return out
+
+
 def parity_cases(cases: dict[str, dict]) -> dict[str, dict]:
     """Several :func:`parity` cases in one spawn (one mesh, one process start): name -> result."""
     out = {}
     for name, case in cases.items():
         torch.manual_seed(0)
-        out[name] = parity(case)
+        out[name] = misuse() if case.get("misuse") else parity(case)
     return out

@@ -40,6 +40,7 @@ CASES_2 = {
                         "ours_mesh": True},
     "prefetch": {"cfg": {"n_layer": 3}, "prefetch": True},
     "ring": {"collectives": "ring"},
+    "misuse": {"misuse": True},
 }
 CASES_3 = {"odd": {"cfg": ODD, "steps": 2}, "ring_odd": {"collectives": "ring", "cfg": ODD, "steps": 2}}
 CASES_4 = {"hsdp_odd": {"mesh": (2, 2), "ours_mesh": True, "cfg": ODD, "steps": 2},
@@ -259,3 +260,13 @@ def test_int_reshard_after_forward_world_4(ranks4):
     forward, backward = gathers[:3], gathers[3:6]  # root, b0, b1; in backward root (resharded too), b1, b0
     assert backward == [2 * forward[0], 2 * forward[2], 2 * forward[1]]
     assert len(gathers) == 12  # 2 steps
+
+
+def test_misuse_is_refused_with_a_reason(ranks2):
+    said = {what: (kind, message) for what, kind, message in ranks2[0]["misuse"]}
+    assert len(said) == 5
+    assert said["twice"][0] == "ValueError" and "already applied" in said["twice"][1]
+    assert said["int not dividing"][0] == "ValueError" and "must divide the shard size 2" in said["int not dividing"][1]
+    assert said["cpu offload"][0] == "NotImplementedError" and "offload" in said["cpu offload"][1]
+    assert said["3-D mesh"][0] == "ValueError" and "1 or 2 dimensions" in said["3-D mesh"][1]
+    assert said["unshard(async_op=True)"] == ("Parameter", "(96, 32)")

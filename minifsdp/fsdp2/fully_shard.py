@@ -173,6 +173,13 @@ class FSDPState:
         ctx.callback_queued = False
 
 
+class _DoneHandle:
+    """What ``unshard(async_op=True)`` returns: the gather already happened."""
+
+    def wait(self) -> None:
+        return None
+
+
 class FSDPModule:
     """Mixed into a sharded module's class (``FSDP<Orig>``): the methods torch's ``FSDPModule`` offers."""
 
@@ -180,11 +187,15 @@ class FSDPModule:
         modules = self.modules() if recurse else [self]
         return [s for m in modules if (s := fsdp_state(m)) is not None]
 
-    def unshard(self) -> None:
-        """All-gather this module's parameters now (they stay gathered until :meth:`reshard`)."""
+    def unshard(self, async_op: bool = False) -> "_DoneHandle | None":
+        """All-gather this module's parameters now (they stay gathered until :meth:`reshard`).
+
+        Always synchronous here; with ``async_op=True`` it returns a handle whose ``wait()`` does nothing,
+        so code written for torch's ``handle = m.unshard(async_op=True); handle.wait()`` runs unchanged."""
         group = fsdp_state(self).param_group
         if group is not None:
             group.unshard()
+        return _DoneHandle() if async_op else None
 
     def reshard(self) -> None:
         """Free this module's full parameters; the modules hold the sharded ones again."""
