@@ -3,7 +3,7 @@
 The package follows the book.  Its top level holds only what every chapter uses;
 each chapter has a subpackage.  The subpackages are layers, and a module imports
 only its own layer or a lower one, with no cycles (``tests/test_layout.py`` checks
-both): comm < ddp < fsdp, memory < checkpoint < tools.  ``comm`` (chapter 2.2) sits
+both): comm < ddp < fsdp, memory, parallel < checkpoint, fsdp2 < tools.  ``comm`` (chapter 2.2) sits
 below ``ddp`` (chapter 1) because both DDP and FSDP send their gradients through it.
 
     launch.py, notebook.py, models.py, data/    every chapter: local ranks, %%ranks, the models, the corpus
