@@ -27,14 +27,15 @@ an int k (dividing the shard size N) reshards to groups of k consecutive ranks a
 all-gather stays inside k ranks (e.g. one node) at the cost of holding 1/k instead of 1/N in between.
 
 How ours differs from torch's, on purpose: the sharded parameters are ``nn.Parameter`` subclasses, not
-DTensors (see :mod:`minifsdp.fsdp2.param`); ``mesh`` may be a 1-D ``DeviceMesh``, a process group, or a 2-D
-``DeviceMesh`` ``(replicate, shard)`` for HSDP;
-everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with), so the
-collectives are issued in the same order as torch's but never overlap compute; no ``offload_policy``
-other than none.  Prefetching: the implicit backward prefetch of the previous group, and the explicit
-``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``, issue gathers in torch's
-order (on one thread a prefetch only moves a gather earlier).  The extra keyword ``collectives`` picks
-torch's collectives (default, bitwise parity) or our ring (``"ring"``).
+DTensors (see :mod:`minifsdp.fsdp2.param`: local ``.shape``, local ``state_dict()`` values); ``mesh`` may be
+None (the world), a 1-D ``DeviceMesh``, a process group, or a 2-D ``DeviceMesh`` ``(replicate, shard)`` for
+HSDP.  Everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with),
+so the collectives are issued in torch's order but never overlap compute.  Prefetching: the implicit
+backward prefetch of the previous group, and the explicit ``set_modules_to_forward_prefetch`` /
+``set_modules_to_backward_prefetch``, issue gathers in torch's order (on one thread a prefetch only moves a
+gather earlier).  Not built: ``offload_policy`` other than none, a list of modules in one call,
+``ignored_params``, ``shard_placement_fn`` (only dim 0).  The extra keyword ``collectives`` picks torch's
+collectives (default, bitwise parity) or our ring (``"ring"``).
 """
 
 from __future__ import annotations

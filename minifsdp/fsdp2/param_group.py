@@ -17,8 +17,8 @@ Reduce-scatter (``post_backward``), the mirror image (torch's "chunk-cat")::
     [:rows_r] of each -> added to (or set as) the sharded parameter's ``.grad``
 
 State as enums, as torch's: :class:`TrainingState` (IDLE / FORWARD / PRE_BACKWARD / POST_BACKWARD) says
-which hook ran last; :class:`~minifsdp.fsdp2.param.ShardedState` (SHARDED / UNSHARDED) says where the
-data is.  Implicit backward prefetch (as torch's): a group's pre-backward also all-gathers the group
+which hook ran last; :class:`~minifsdp.fsdp2.param.ShardedState` (SHARDED / UNSHARDED / SHARDED_POST_FORWARD)
+says where the data is.  Implicit backward prefetch (as torch's): a group's pre-backward also all-gathers the group
 whose forward ended just before its own, so that gather is issued before this group's reduce-scatter.
 
 An int ``reshard_after_forward=k`` (torch's): after forward each rank keeps 1/k of the full buffers
