@@ -23,7 +23,7 @@ breadth first, whether or not that submodule has meta tensors itself.  With no
 ``param_init_fn``, each of those modules that has tensors of its own gets
 ``to_empty(device=..., recurse=False)`` then ``reset_parameters()`` (torch's
 ``_materialize_meta_module``).  What we add: a tensor still meta afterwards is an
-error that names the module and the tensor (torch fails later, elsewhere), and a
+error that names the module and the tensor (torch does not name them), and a
 ``reset_parameters`` that is missing is named with the way out.
 
 Note (tied weights): ``to_empty`` makes a *new* parameter for every meta one, so
