@@ -57,6 +57,7 @@ from minifsdp.fsdp import (
     transformer_auto_wrap_policy,
     unflatten,
 )
+from minifsdp.fsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard
 from minifsdp.launch import RankFailedError, spawn
 from minifsdp.memory import MemoryTracker, model_state_bytes, snapshot
 from minifsdp.models import MLP, CharCorpus, GPTConfig, TinyGPT
@@ -86,5 +87,6 @@ __all__ = [
     "TinyGPT", "GPTConfig", "MLP", "CharCorpus",
     "ColwiseParallel", "RowwiseParallel", "parallelize_module", "tensor_parallel",
     "PipelineStage", "ScheduleGPipe", "Schedule1F1B", "pipelining",
+    "fully_shard", "FSDPModule", "MixedPrecisionPolicy",
 ]
 __version__ = "0.1.0"
