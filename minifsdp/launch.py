@@ -9,15 +9,25 @@ talking to the others over gloo (CPU) or NCCL (GPU).
     parent (your script / notebook / pytest)
       |  hosts the rendezvous store on a free port (port 0: the OS picks)
       |
-      +-- spawn --> rank 0: init_process_group(store) -> fn(*args) -> result
-      +-- spawn --> rank 1: init_process_group(store) -> fn(*args) -> result
+      +-- start --> rank 0: init_process_group(store) -> fn(*args) -> result
+      +-- start --> rank 1: init_process_group(store) -> fn(*args) -> result
       ...
       <-- one message per rank on a queue: ("ok", rank, value) or ("error", rank, traceback)
 
-Note (spawn, never fork): a child forked after torch has started its thread
-pool can hang forever.  We always use the "spawn" start method, so ``fn`` must
-be importable (defined in a module, not in ``__main__`` of a notebook; see
-``minifsdp.notebook`` for how notebooks run cell code on ranks).
+Note (a clean fork server, never a plain fork): a child forked after torch has
+started its thread pool can hang forever, so ranks are never forked from the
+caller.  They are forked from multiprocessing's *fork server*: one helper
+process, started the first time ``spawn`` runs, that imports torch and then does
+nothing but fork (it never runs a torch op, so it has no thread pool to inherit).
+Each rank then starts with torch already imported: about half a second instead
+of the several seconds a fresh interpreter takes to import torch, which is most
+of a short test's time.  Python 3.14 made this the default start method on Linux
+for the same reason.  The rank still unpickles ``fn`` by name, as with "spawn",
+so ``fn`` must be importable (defined in a module, not in ``__main__`` of a
+notebook; see ``minifsdp.notebook`` for how notebooks run cell code on ranks),
+and it gets the caller's current environment variables.  Where there is no
+fork server (Windows) or with ``MINIFSDP_START_METHOD=spawn``, every rank is a
+fresh interpreter.
 
 Note (no rank hangs the others): when a rank raises, the parent ends every
 other rank and raises :class:`RankFailedError` with that rank's traceback.  A
@@ -99,9 +109,23 @@ def _check_world_size(world_size: int, backend: str) -> None:
         )
 
 
-def _rank_main(rank, world_size, backend, host, port, timeout_s, fn, args, results, threads):
-    """Body of every spawned process (importable, so `spawn` can pickle it)."""
+def _start_method_context():
+    """The multiprocessing context ranks start from: the fork server where there is one, else spawn."""
+    method = os.environ.get("MINIFSDP_START_METHOD", "forkserver")
+    if method not in mp.get_all_start_methods() or method == "fork":
+        method = "spawn"  # never a plain fork (see the note at the top)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])  # imported once, by the server
+    return ctx
+
+
+def _rank_main(rank, world_size, backend, host, port, timeout_s, fn, args, results, threads, environ):
+    """Body of every rank's process (importable, so `spawn` can pickle it)."""
     try:
+        if os.environ != environ:  # a forked rank has the fork server's environment: take the caller's
+            os.environ.clear()
+            os.environ.update(environ)
         if threads:
             torch.set_num_threads(threads)
         os.environ.setdefault("MASTER_ADDR", host)
@@ -177,12 +201,13 @@ def spawn(
     # The parent hosts the rendezvous store on port 0: the OS picks a free port, no race.
     store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    ctx = mp.get_context("spawn")
+    ctx = _start_method_context()
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, backend, host, store.port, timeout_s, fn, tuple(args), results, threads_per_rank),
+            args=(r, world_size, backend, host, store.port, timeout_s, fn, tuple(args), results, threads_per_rank,
+                  dict(os.environ)),
             daemon=True,
         )
         for r in range(world_size)

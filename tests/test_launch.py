@@ -1,5 +1,6 @@
 """minifsdp.spawn: results in rank order, failures named, nothing hangs."""
 
+import os
 import queue
 import time
 
@@ -88,7 +89,7 @@ def set_device_calls(monkeypatch):
 def test_a_spawned_rank_sets_its_gpu_for_any_backend_with_nccl(set_device_calls, backend, expected):
     """spawn's rank body (_rank_main) for rank 1: set_device(1) before joining, on a mixed group too."""
     results = queue.Queue()
-    launch._rank_main(1, 2, backend, "127.0.0.1", 0, 10.0, int, (), results, None)
+    launch._rank_main(1, 2, backend, "127.0.0.1", 0, 10.0, int, (), results, None, dict(os.environ))
     assert results.get_nowait()[:2] == ("ok", 1)
     assert set_device_calls == expected
 
@@ -104,3 +105,21 @@ def test_a_torchrun_rank_sets_its_gpu_for_any_backend_with_nccl(set_device_calls
 def test_a_mixed_group_needs_a_gpu_per_rank_too():
     with pytest.raises(ValueError, match="NCCL needs one GPU per rank"):
         launch._check_world_size(2, "cpu:gloo,cuda:nccl")
+
+
+def test_ranks_see_the_callers_environment_now_not_the_fork_servers(monkeypatch):
+    """Ranks fork from a server started at the first spawn; a variable set after that must still reach them."""
+    minifsdp.spawn(w.rank_and_sum, (0.0,), world_size=2)  # the fork server is running from here on
+    monkeypatch.setenv("MINIFSDP_TEST_VARIABLE", "set after the server started")
+    assert minifsdp.spawn(w.read_environment, ("MINIFSDP_TEST_VARIABLE",), world_size=2) == [
+        ("set after the server started", 0), ("set after the server started", 1)]
+    monkeypatch.delenv("MINIFSDP_TEST_VARIABLE")
+    assert minifsdp.spawn(w.read_environment, ("MINIFSDP_TEST_VARIABLE",), world_size=2) == [(None, 0), (None, 1)]
+
+
+def test_ranks_start_from_the_fork_server_not_a_plain_fork():
+    """Never ``fork`` from the caller (a torch thread pool may be running here); the fork server on Linux."""
+    ctx = launch._start_method_context()
+    assert ctx.get_start_method() in ("forkserver", "spawn")
+    if "forkserver" in torch.multiprocessing.get_all_start_methods():
+        assert ctx.get_start_method() == "forkserver"
