@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p_gen.add_argument("--tokens", type=int, default=200, help="characters to generate")
 
     p_bench = sub.add_parser("bench", help="measure ours against torch in the same run")
-    p_bench.add_argument("what", choices=("collectives", "fsdp", "overlap", "precision"))
+    p_bench.add_argument("what", choices=("collectives", "fsdp", "overlap", "precision", "scale"))
     p_bench.add_argument("--world-sizes", default="2,4")
     p_bench.add_argument("--max-mb", type=float, default=64.0, help="collectives: largest message")
     p_bench.add_argument("--json", default=None,
@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="sequences per rank per step (fsdp: 2 of 128 tokens, a 2-core run in ~6 min; else 8)")
     p_bench.add_argument("--trainers", default="ours_torch,ours_ring,fsdp1,fsdp2,ddp",
                          help="fsdp: which of ours_torch,ours_ring,fsdp1,fsdp2,ddp (fsdp1 is the reference)")
+    p_bench.add_argument("--mem-limit-mb", type=float, default=2048.0, help="scale: per-rank limit (RLIMIT_AS)")
+    p_bench.add_argument("--width", type=int, default=512, help="scale: TinyGPT n_embd (depth is searched)")
+    p_bench.add_argument("--max-layers", type=int, default=256, help="scale: deepest model tried")
     p_bench.add_argument("--threads", type=int, default=1, help="overlap/precision: intra-op threads per rank")
     p_bench.add_argument("--link-ms", type=float, default=0.0,
                          help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
@@ -88,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             from minifsdp.tools.bench import run_collectives_bench
 
             return run_collectives_bench(args)
+        if args.what == "scale":  # trainers: ddp, ours, fsdp1; world size 4 unless given
+            from minifsdp.tools.bench_scale import run_scale_bench
+
+            return run_scale_bench(args)
         if args.what in ("overlap", "precision"):
             from minifsdp.tools.bench_overlap import run_bench
 

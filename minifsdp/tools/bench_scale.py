@@ -1,0 +1,203 @@
+"""``python -m minifsdp bench scale``: the largest TinyGPT that trains under a per-rank memory limit.
+
+The one thing FSDP exists for: a model that does not fit on one rank trains when
+sharded.  For each trainer and world size N, every *trial* is one spawn of N ranks
+that, under a hard per-rank limit, builds a TinyGPT of ``n_layer`` blocks (fixed
+width) and takes one AdamW step:
+
+    ddp     torch DistributedDataParallel: the full model on every rank (built whole)
+    ours    minifsdp FSDP, FULL_SHARD, each Block a unit, built on the meta device
+            (param_init_fn = deferred_init.tinygpt_param_init_fn)
+    fsdp1   torch FullyShardedDataParallel, the same meta model and param_init_fn
+
+The limit.  Each rank sets ``RLIMIT_AS`` (its address space) to what it has mapped
+after start-up (torch, gloo, Python) plus ``--mem-limit-mb``: an allocation past it
+fails inside the allocator ("can't allocate memory"), the rank raises, the trial is
+reported as OUT OF MEMORY.  (Address space counts reserved-but-untouched pages too,
+so it is a strict limit; one malloc arena per rank keeps that slack small.)
+
+The search.  Parameters grow linearly with ``n_layer``, so a bisection on the depth is
+a bisection on the parameter count: double the depth until a trial fails, then bisect
+between the last success and the first failure (a tqdm bar counts the trials).
+
+The prediction (ZeRO, fp32 AdamW: 4 param + 4 grad + 8 Adam = 16 bytes per parameter,
+Rajbhandari et al. 2019): DDP holds 16Ψ; FULL_SHARD 16Ψ/N plus one unit's full
+parameters and gradients (8U) during its turn; both plus activations and runtime
+overhead A, taken as the smallest trial's measured peak less its model state.
+
+Output: the table, and ``out/bench_scale.json`` with one row per (trainer, N):
+``{"trainer", "world_size", "mem_limit_bytes", "largest_params", "peak_bytes", ...}``.
+``peak_bytes`` is the largest passing trial's peak RSS rise over the rank's start
+(max over ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from minifsdp.fsdp import FSDP
+from minifsdp.fsdp.deferred_init import tinygpt_param_init_fn
+from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
+from minifsdp.launch import RankFailedError, spawn
+from minifsdp.models import Block, GPTConfig, TinyGPT
+
+__all__ = ["run_scale_bench", "trial", "params_of", "largest"]
+
+OOM = "OUT_OF_MEMORY"
+_OOM_SIGNS = (OOM, "can't allocate memory", "bad_alloc", "MemoryError", "Cannot allocate memory",
+              "failed to map segment", "can't start new thread")
+
+
+def _status() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmSize", "VmRSS", "VmHWM")}
+
+
+def config(n_layer: int, width: int, seq: int = 64) -> GPTConfig:
+    return GPTConfig(vocab_size=96, block_size=seq, n_layer=n_layer, n_head=max(1, width // 64), n_embd=width)
+
+
+def params_of(n_layer: int, width: int) -> int:
+    """TinyGPT's parameter count (the tied lm_head once), without building it."""
+    cfg = config(n_layer, width)
+    with torch.device("meta"):
+        block = sum(p.numel() for p in Block(cfg).parameters())
+    return n_layer * block + (cfg.vocab_size + cfg.block_size) * width + 2 * width
+
+
+def _build(trainer: str, cfg: GPTConfig):
+    if trainer == "ddp":
+        return DDP(TinyGPT(cfg, seed=0), gradient_as_bucket_view=True)
+    with torch.device("meta"):
+        model = TinyGPT(cfg, seed=0)
+    init, cpu = tinygpt_param_init_fn(model, seed=0), torch.device("cpu")
+    if trainer == "ours":
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        return FSDP(model, auto_wrap_policy=policy, param_init_fn=init, device_id=cpu)
+    policy = functools.partial(torch_policy, transformer_layer_cls={Block})
+    return TorchFSDP(model, auto_wrap_policy=policy, param_init_fn=init, device_id=cpu, use_orig_params=False)
+
+
+def trial(trainer: str, n_layer: int, width: int, mem_limit: int, batch: int = 1, seq: int = 64) -> dict:
+    """On each rank: limit the address space, build, one AdamW step; the peak RSS rise (bytes).
+
+    The limit is lifted again before the result (or the error) is reported: sending it
+    needs a thread, and a thread needs address space.
+    """
+    start = _status()
+    resource.setrlimit(resource.RLIMIT_AS, (start["VmSize"] + mem_limit, resource.RLIM_INFINITY))
+    try:
+        model = _build(trainer, config(n_layer, width, seq))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        x, y = (torch.randint(0, 96, (batch, seq), generator=g) for _ in range(2))
+        model(x, y).backward()
+        opt.step()
+    except BaseException as e:  # noqa: BLE001 - out of memory becomes one recognisable error, the rest re-raised
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        if any(s in str(e) or s in type(e).__name__ for s in _OOM_SIGNS):
+            raise RuntimeError(f"{OOM}: {trainer}, {n_layer} blocks, limit {mem_limit >> 20} MiB: {e}") from None
+        raise
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    return {"peak_bytes": max(0, _status()["VmHWM"] - start["VmRSS"])}
+
+
+def _fits(trainer, n_layer, width, mem_limit, world_size, timeout_s) -> tuple[bool, int]:
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the ranks inherit it: less reserved address space
+    try:
+        out = spawn(trial, (trainer, n_layer, width, mem_limit), world_size=world_size, timeout_s=timeout_s)
+    except RankFailedError as e:
+        if any(s in str(e) for s in _OOM_SIGNS) or "signal" in str(e):
+            return False, 0
+        raise
+    return True, max(r["peak_bytes"] for r in out)
+
+
+def largest(trainer: str, world_size: int, width: int, mem_limit: int, max_layers: int = 512,
+            timeout_s: float = 600, bar=None) -> dict:
+    """Double the depth until a trial fails, then bisect; the largest depth that trains, and its peak."""
+    tried: dict[int, tuple[bool, int]] = {}
+
+    def fits(n):
+        if n not in tried:
+            tried[n] = _fits(trainer, n, width, mem_limit, world_size, timeout_s)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{trainer} N={world_size} {n} blocks: {'ok' if tried[n][0] else 'OOM'}")
+        return tried[n][0]
+
+    lo, hi = 0, 1
+    while hi <= max_layers and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, max_layers + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    smallest_ok = min((n for n, (ok, _) in tried.items() if ok), default=None)
+    return {"trainer": trainer, "world_size": world_size, "mem_limit_bytes": mem_limit, "width": width,
+            "largest_layers": lo, "largest_params": params_of(lo, width) if lo else 0,
+            "peak_bytes": tried[lo][1] if lo else None, "trials": len(tried),
+            "smallest": (smallest_ok, tried[smallest_ok][1]) if smallest_ok else None}
+
+
+def predicted_params(row: dict) -> int | None:
+    """Ψ from the ZeRO formulas, with the overhead A measured at the smallest passing trial."""
+    if not row["smallest"]:
+        return None
+    n_small, peak_small = row["smallest"]
+    width, n = row["width"], (1 if row["trainer"] == "ddp" else row["world_size"])
+    unit = params_of(1, width) - params_of(0, width)
+    state = lambda psi: 16 * psi / n + (0 if n == 1 else 8 * unit)  # noqa: E731
+    overhead = peak_small - state(params_of(n_small, width))
+    return int((row["mem_limit_bytes"] - overhead - (0 if n == 1 else 8 * unit)) * n / 16)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'trainer':>8} {'N':>3} {'limit MiB':>9} {'blocks':>6} {'largest params':>15} {'peak MiB':>9} " \
+           f"{'ZeRO predicts':>14} {'x DDP':>6}"
+    ddp = {r["world_size"]: r["largest_params"] for r in rows if r["trainer"] == "ddp"}
+    lines = [head]
+    for r in rows:
+        pred = r.get("predicted_params")
+        base = ddp.get(r["world_size"])
+        lines.append(f"{r['trainer']:>8} {r['world_size']:>3} {r['mem_limit_bytes'] / 2**20:>9.0f} "
+                     f"{r['largest_layers']:>6} {r['largest_params']:>15,} "
+                     f"{(r['peak_bytes'] or 0) / 2**20:>9.1f} {f'{pred:,}' if pred is not None else '-':>14} "
+                     f"{(r['largest_params'] / base) if base else float('nan'):>6.2f}")
+    return "\n".join(lines)
+
+
+def run_scale_bench(args) -> int:
+    from tqdm import tqdm
+
+    world_sizes = [int(w) for w in str(args.world_sizes).split(",")] if args.world_sizes != "2,4" else [4]
+    trainers = [t for t in str(args.trainers).split(",") if t in ("ddp", "ours", "fsdp1")]
+    if not trainers or "ours_torch" in str(args.trainers):  # the fsdp bench's default list: use ours
+        trainers = ["ddp", "ours", "fsdp1"]
+    mem_limit = int(args.mem_limit_mb * 2**20)
+    rows = []
+    with tqdm(desc="bench scale (trials)", file=sys.stderr) as bar:
+        for n in world_sizes:
+            for trainer in trainers:
+                row = largest(trainer, n, args.width, mem_limit, max_layers=args.max_layers, bar=bar)
+                row["predicted_params"] = predicted_params(row)
+                rows.append(row)
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"wrote {args.json}")
+    return 0
