@@ -117,8 +117,11 @@ def test_ranks_see_the_callers_environment_now_not_the_fork_servers(monkeypatch)
     assert minifsdp.spawn(w.read_environment, ("MINIFSDP_TEST_VARIABLE",), world_size=2) == [(None, 0), (None, 1)]
 
 
-def test_ranks_start_from_the_fork_server_not_a_plain_fork():
+def test_ranks_start_from_the_fork_server_not_a_plain_fork(monkeypatch):
     """Never ``fork`` from the caller (a torch thread pool may be running here); the fork server on Linux."""
+    monkeypatch.setenv("MINIFSDP_START_METHOD", "fork")
+    assert launch._start_method_context().get_start_method() == "spawn"
+    monkeypatch.delenv("MINIFSDP_START_METHOD")
     ctx = launch._start_method_context()
     assert ctx.get_start_method() in ("forkserver", "spawn")
     if "forkserver" in torch.multiprocessing.get_all_start_methods():
