@@ -67,6 +67,9 @@ LOGS = {  # name: (records, jump, window, [(step, reason prefix)])
                               [(1, "grad norm is not finite (fp16: step skipped by the scaler)")]),
     "a NaN does not poison the median": (_log(STEADY[:2] + [(NAN, 1.0), (3.8, 1.0), (13.0, 1.0)]), 3.0, 5,
                                          [(3, "loss is not finite"), (5, "loss jumped")]),
+    "a non-finite grad norm keeps its loss out of the median": (
+        _log([(1.0, 1.0), (100.0, INF), (100.0, INF), (3.5, 1.0)]), 3.0, 3,
+        [(2, "grad norm is not finite"), (3, "grad norm is not finite"), (4, "loss jumped")]),
     "window: only the last 2": (_log([(1.0, 1.0), (10.0, 1.0), (10.0, 1.0), (25.0, 1.0)]), 3.0, 2,
                                 [(2, "loss jumped")]),
     "jump threshold": (_log(STEADY + [(3.5 * 2.5, 1.0)]), 3.0, 5, []),
