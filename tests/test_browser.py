@@ -127,7 +127,8 @@ def test_the_cjk_check_catches_missing_glyphs(page):
     tofu = page.evaluate(SAME_GLYPHS_JS, ["32px sans-serif", "\ue000", "\ue001"])
     assert tofu["same"], "two missing glyphs drew differently: the check cannot tell a missing font"
     cjk = page.evaluate(SAME_GLYPHS_JS, ["32px sans-serif", "第", "章"])
-    assert cjk["ink"] and not cjk["same"], "第 and 章 draw as the same box: no CJK font (apt-get install fonts-noto-cjk)"
+    assert cjk["ink"] and not cjk["same"], \
+        "第 and 章 draw as the same box: no CJK font (apt-get install fonts-noto-cjk)"
 
 
 @pytest.mark.timeout(300)
