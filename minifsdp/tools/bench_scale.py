@@ -13,8 +13,10 @@ width) and takes one AdamW step:
 The limit.  Each rank sets ``RLIMIT_AS`` (its address space) to what it has mapped
 after start-up (torch, gloo, Python) plus ``--mem-limit-mb``: an allocation past it
 fails inside the allocator ("can't allocate memory"), the rank raises, the trial is
-reported as OUT OF MEMORY.  (Address space counts reserved-but-untouched pages too,
-so it is a strict limit; one malloc arena per rank keeps that slack small.)
+reported as OUT OF MEMORY.  Address space counts reserved-but-untouched pages and what
+malloc keeps after a free, so each rank first tells glibc to unmap freed blocks of 64 KiB
+or more and to use two arenas at most (``mallopt``); without that a sharded model's freed
+unit copies stay mapped and FSDP measures no better than DDP.
 
 The search.  Parameters grow linearly with ``n_layer``, so a bisection on the depth is
 a bisection on the parameter count: double the depth until a trial fails, then bisect
@@ -33,9 +35,10 @@ Output: the table, and ``out/bench_scale.json`` with one row per (trainer, N):
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import json
-import os
 import resource
 import sys
 from pathlib import Path
@@ -90,12 +93,26 @@ def _build(trainer: str, cfg: GPTConfig):
     return TorchFSDP(model, auto_wrap_policy=policy, param_init_fn=init, device_id=cpu, use_orig_params=False)
 
 
+def _malloc_returns_freed_memory() -> None:
+    """glibc: blocks of 64 KiB or more are unmapped when freed (by default it raises that threshold up to
+    32 MiB as such blocks are freed and keeps them: a sharded model's freed unit copies would stay mapped and
+    count against the limit), two arenas at most, and what is free now is given back."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the limit then also counts what malloc keeps
+        pass
+
+
 def trial(trainer: str, n_layer: int, width: int, mem_limit: int, batch: int = 1, seq: int = 64) -> dict:
     """On each rank: limit the address space, build, one AdamW step; the peak RSS rise (bytes).
 
     The limit is lifted again before the result (or the error) is reported: sending it
     needs a thread, and a thread needs address space.
     """
+    _malloc_returns_freed_memory()
     start = _status()
     resource.setrlimit(resource.RLIMIT_AS, (start["VmSize"] + mem_limit, resource.RLIM_INFINITY))
     try:
@@ -116,7 +133,6 @@ def trial(trainer: str, n_layer: int, width: int, mem_limit: int, batch: int = 1
 
 
 def _fits(trainer, n_layer, width, mem_limit, world_size, timeout_s) -> tuple[bool, int]:
-    os.environ.setdefault("MALLOC_ARENA_MAX", "2")  # the ranks inherit it: less reserved address space
     try:
         out = spawn(trial, (trainer, n_layer, width, mem_limit), world_size=world_size, timeout_s=timeout_s)
     except RankFailedError as e:
