@@ -1,10 +1,10 @@
-"""Grades tasks 5a-5b: ``--impl=reference`` checks minifsdp's own code, ``--impl=student`` the stubs in
+"""Grades tasks 5.1-5.2: ``--impl=reference`` checks minifsdp's own code, ``--impl=student`` the stubs in
 exercises/fsdp2_tasks.py.  One process, no ranks.
 
 Oracles, both used on every case: ``torch.chunk`` (torch FSDP2's documented rule for dim-0 sharding:
 ``torch.chunk(tensor, N, dim=0)[rank]``, empty for ranks past the last chunk) and minifsdp's
 ``FSDPParam`` (the per-parameter sharding that tests/test_fsdp2.py proves bitwise against torch's
-``fully_shard``): its ``padded_local`` / ``sharded_param`` for 5a, its ``copy_out`` for 5b.  Bitwise:
+``fully_shard``): its ``padded_local`` / ``sharded_param`` for 5.1, its ``copy_out`` for 5.2.  Bitwise:
 the tasks only move numbers.
 """
 
@@ -59,7 +59,7 @@ def _chunk_padded(t, rank, n):
     return padded
 
 
-def test_task5a_shard_rows(impl):
+def test_task5_1_shard_rows(impl):
     f = _fn(impl, "shard_rows")
     cases = 0
     for i, shape in enumerate(SHAPES):
@@ -87,7 +87,7 @@ def test_task5a_shard_rows(impl):
     assert cases == sum(WORLD_SIZES) * len(SHAPES)
 
 
-def test_task5b_copy_out(impl):
+def test_task5_2_copy_out(impl):
     f = _fn(impl, "copy_out")
     groups = [SHAPES, SHAPES[:2], [torch.Size((33, 5)), torch.Size((2,))], [torch.Size((96, 32))]]
     for g, shapes in enumerate(groups):
