@@ -13,6 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("--strategy", choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ddp"),
                        default="FULL_SHARD",
                        help="FSDP strategy (ours vs torch FSDP1), or ddp (our DDP vs torch DDP)")
+    p_cmp.add_argument("--impl", choices=("fsdp1", "fsdp2"), default="fsdp1",
+                       help="fsdp2: our per-parameter fully_shard vs torch's fully_shard (FULL_SHARD, "
+                            "SHARD_GRAD_OP or HYBRID_SHARD)")
     p_cmp.add_argument("--world-size", type=int, default=2)
     p_cmp.add_argument("--steps", type=int, default=8)
     p_cmp.add_argument("--collectives", choices=("torch", "ring"), default="ring")

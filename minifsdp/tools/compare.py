@@ -9,6 +9,14 @@
     --strategy ddp
         ours  = minifsdp.DistributedDataParallel    torch = torch.nn.parallel.DistributedDataParallel
 
+``--impl fsdp2`` swaps the FSDP pair for the per-parameter one (chapter 5):
+
+    --impl fsdp2 [--strategy FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD]
+        ours  = minifsdp.fully_shard                torch = torch.distributed.fsdp.fully_shard
+        both called on every Block, then on the root, over the same ``DeviceMesh``; FULL_SHARD is
+        ``reshard_after_forward`` left at its default (True but for the root), SHARD_GRAD_OP is False,
+        HYBRID_SHARD is a 2-D mesh ``(replicate, shard)`` with pairs of ranks sharding
+
 Every rank builds each trainer's model from the same seed and feeds it the same
 ``CharCorpus`` batch at every step, so any difference is the trainers' doing:
 
@@ -18,7 +26,9 @@ Every rank builds each trainer's model from the same seed and feeds it the same
 
 Under FSDP the parameters compared are each rank's local flat shards, unit by
 unit: ours and torch FSDP1 lay them out identically (``fsdp/flat_param.py``), so the
-shards of all ranks together cover every parameter, each exactly once.
+shards of all ranks together cover every parameter, each exactly once.  Under
+``--impl fsdp2`` they are each parameter's local rows (``to_local()`` of ours and of
+torch's DTensor), matched by name.
 
 The trainers run interleaved in the same processes, in the same minute, so the
 ratio of their step times is a fair comparison (absolute times depend on the
@@ -49,7 +59,7 @@ import torch.nn as nn
 from minifsdp.launch import spawn
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
 
-__all__ = ["run_compare", "TRAINERS", "STRATEGIES", "compare_worker"]
+__all__ = ["run_compare", "TRAINERS", "STRATEGIES", "IMPLS", "compare_worker"]
 
 BATCH_PER_RANK = 8
 TOL = 1e-4  # "within tol": AdamW can amplify a last-bit gradient difference to ~1e-5 in a few steps
@@ -87,18 +97,55 @@ def _torch_fsdp1(model: nn.Module, args) -> nn.Module:
         device_id=torch.device("cpu"), use_orig_params=False)  # FSDP1 on CPU must be told its device
 
 
-# strategy -> trainers, name -> wrap(model, args); the first is under test, the last is the reference.
+def _fsdp2_mesh(args):
+    """The mesh both FSDP2 trainers shard over: 1-D over the world, or ``(replicate, shard)`` for HYBRID_SHARD."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if args.strategy == "HYBRID_SHARD":
+        return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+def _fsdp2_apply(shard, model: nn.Module, args, **extra) -> nn.Module:
+    """``shard`` (ours or torch's ``fully_shard``) on every Block, then on the root, as both libraries teach."""
+    kw = {"mesh": args.mesh, "reshard_after_forward": False if args.strategy == "SHARD_GRAD_OP" else None, **extra}
+    for block in model.blocks:
+        shard(block, **kw)
+    return shard(model, **kw)
+
+
+def _ours_fsdp2(model: nn.Module, args) -> nn.Module:
+    from minifsdp.fsdp2 import fully_shard
+
+    return _fsdp2_apply(fully_shard, model, args, collectives=args.collectives)
+
+
+def _torch_fsdp2(model: nn.Module, args) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return _fsdp2_apply(fully_shard, model, args)
+
+
+# family -> trainers, name -> wrap(model, args); the first is under test, the last is the reference.
 TRAINERS: dict[str, dict[str, Callable[[nn.Module, object], nn.Module]]] = {
     "ddp": {"ours": _ours_ddp, "torch": _torch_ddp},
     "fsdp": {"ours": _ours_fsdp, "torch": _torch_fsdp1},
+    "fsdp2": {"ours": _ours_fsdp2, "torch": _torch_fsdp2},
 }
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "ddp")
+IMPLS = ("fsdp1", "fsdp2")
+FSDP2_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")  # FSDP2 has no NO_SHARD; ddp is not FSDP
 DESCRIPTION = {"ddp": "minifsdp DDP vs torch DDP"} | {
-    s: f"minifsdp FSDP vs torch FSDP1, {s}, each Block a unit" for s in STRATEGIES if s != "ddp"}
+    s: f"minifsdp FSDP vs torch FSDP1, {s}, each Block a unit" for s in STRATEGIES if s != "ddp"} | {
+    f"fsdp2/{s}": f"minifsdp fully_shard vs torch fully_shard (FSDP2), {s}, each Block then the root"
+    for s in FSDP2_STRATEGIES}
 
 
-def _family(strategy: str) -> str:
-    return "ddp" if strategy == "ddp" else "fsdp"
+def _family(strategy: str, impl: str = "fsdp1") -> str:
+    if strategy == "ddp":
+        return "ddp"
+    return "fsdp2" if impl == "fsdp2" else "fsdp"
 
 
 def _optimizer(params, kind: str):
@@ -109,13 +156,24 @@ def _optimizer(params, kind: str):
     raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {kind!r}")
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The rows this rank holds: ``to_local()`` of an FSDP2 parameter (ours or a DTensor), else ``p`` itself."""
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+
 def _max_param_diff(a: nn.Module, b: nn.Module) -> float:
-    """Max |a - b| over the parameters the wrappers hold on this rank (FSDP: the local flat shards)."""
-    pa, pb = list(a.parameters()), list(b.parameters())
+    """Max |a - b| over the parameters the wrappers hold on this rank (FSDP: the local flat shards;
+    FSDP2: each parameter's local rows, which must come under the same names)."""
+    na, nb = [n for n, _ in a.named_parameters()], [n for n, _ in b.named_parameters()]
+    if hasattr(next(a.parameters()), "to_local") and na != nb:
+        raise RuntimeError(f"the two trainers name their parameters differently: {na} vs {nb}")
+    pa, pb = [_local(p) for p in a.parameters()], [_local(p) for p in b.parameters()]
+    if len(pa) != len(pb):
+        raise RuntimeError(f"the two trainers hold {len(pa)} and {len(pb)} parameters on this rank")
     if [p.shape for p in pa] != [q.shape for q in pb]:
         raise RuntimeError(f"the two trainers hold differently shaped parameters on this rank: "
                            f"{[tuple(p.shape) for p in pa]} vs {[tuple(q.shape) for q in pb]}")
-    return max((p.detach() - q.detach()).abs().max().item() for p, q in zip(pa, pb) if p.numel())
+    return max(((p - q).abs().max().item() for p, q in zip(pa, pb) if p.numel()), default=0.0)
 
 
 def compare_worker(args, trainer_names: list[str]) -> dict:
@@ -125,11 +183,14 @@ def compare_worker(args, trainer_names: list[str]) -> dict:
     cfg = GPTConfig.tiny()
     args = copy.copy(args)
     args.process_group = None
-    if args.strategy == "HYBRID_SHARD":  # shard inside pairs of ranks, replicate across them; one pair of groups
+    family = _family(args.strategy, getattr(args, "impl", "fsdp1"))
+    if family == "fsdp" and args.strategy == "HYBRID_SHARD":  # shard inside pairs of ranks, replicate across
         from minifsdp.fsdp.sharding import hybrid_groups
 
         args.process_group = hybrid_groups(2)
-    trainers = TRAINERS[_family(args.strategy)]
+    if family == "fsdp2":
+        args.mesh = _fsdp2_mesh(args)
+    trainers = TRAINERS[family]
     models = {name: trainers[name](TinyGPT(cfg, seed=0), args) for name in trainer_names}
     opts = {name: _optimizer(m.parameters(), args.optimizer) for name, m in models.items()}
     first, ref = trainer_names[0], trainer_names[-1]
@@ -167,13 +228,21 @@ def run_compare(args) -> int:
     strategy = getattr(args, "strategy", "FULL_SHARD")
     if strategy not in STRATEGIES:
         raise SystemExit(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    impl = getattr(args, "impl", "fsdp1")
+    if impl not in IMPLS:
+        raise SystemExit(f"--impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "fsdp2" and strategy not in FSDP2_STRATEGIES:
+        raise SystemExit(f"--impl fsdp2 pairs our fully_shard with torch's; --strategy must be one of "
+                         f"{', '.join(FSDP2_STRATEGIES)} with it, got {strategy!r}")
     if strategy == "HYBRID_SHARD" and (args.world_size < 4 or args.world_size % 2):
         raise SystemExit(f"--strategy HYBRID_SHARD shards inside pairs of ranks and replicates across pairs: "
                          f"it needs an even world size of at least 4, got {args.world_size}; try --world-size 4")
-    args.strategy = strategy
-    names = list(TRAINERS[_family(strategy)])
+    args.strategy, args.impl = strategy, impl
+    family = _family(strategy, impl)
+    names = list(TRAINERS[family])
+    description = DESCRIPTION[f"fsdp2/{strategy}" if family == "fsdp2" else strategy]
     print(f"minifsdp compare: TinyGPT on {args.world_size} local ranks (gloo), {args.steps} steps, "
-          f"{args.optimizer}, our collectives={args.collectives}; {DESCRIPTION[strategy]}; "
+          f"{args.optimizer}, our collectives={args.collectives}; {description}; "
           f"trainers: {', '.join(names)}", flush=True)
     results = spawn(compare_worker, args=(args, names), world_size=args.world_size, timeout_s=120)
     res = results[0]
@@ -199,7 +268,8 @@ def run_compare(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    fig = plot_losses(res["losses"], title=f"TinyGPT, {args.world_size} ranks, {strategy}: {first} vs {ref}")
+    label = f"{strategy}, FSDP2" if family == "fsdp2" else strategy
+    fig = plot_losses(res["losses"], title=f"TinyGPT, {args.world_size} ranks, {label}: {first} vs {ref}")
     fig.savefig(out / "compare_losses.png", dpi=100)
     print(f"saved {out / 'compare_losses.png'}")
     return 0 if not verdict.startswith("VERDICT: MISMATCH") else 1
