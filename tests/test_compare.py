@@ -74,7 +74,7 @@ def test_bench_fsdp_cli_runs_small_and_writes_ratios(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [r["trainer"] for r in rows] == ["ours_torch", "ours_ring", "fsdp1", "fsdp2", "ddp"]
+    assert [r["trainer"] for r in rows] == ["ours_torch", "ours_ring", "fsdp1", "fsdp2", "ours_fsdp2", "ddp"]
     ref = next(r for r in rows if r["trainer"] == "fsdp1")
     assert ref["time_ratio"] == ref["peak_ratio"] == 1.0
     # model state at rest (exact, integers): ours holds torch FSDP1's flat shards, gradients and Adam state

@@ -6,6 +6,7 @@ numbers, which has one rounding; see minifsdp/tools/compare.py), and checkpoints
 with ``torch.equal``.
 """
 
+import json
 import re
 import subprocess
 import sys
@@ -37,6 +38,25 @@ def test_compare_impl_fsdp2_is_bitwise_with_torch_fully_shard(tmp_path):
     assert all(r.split()[3] == "0" for r in rows), out
     assert "VERDICT: bitwise equal over 3 steps (ours vs torch, every rank)" in out, out
     assert (tmp_path / "compare_losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no loss-curve PNG"
+
+
+@pytest.mark.timeout(120)  # a smoke test of the command (benchmarks are commands, not tests): ~20 s idle
+def test_bench_fsdp_ours_fsdp2_row_is_read_against_torch_fsdp2(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "minifsdp", "bench", "fsdp", "--config", "tiny", "--world-sizes", "2",
+         "--steps", "1", "--warmup", "0", "--batch-size", "1", "--trainers", "fsdp2,ours_fsdp2", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["trainer"] for r in rows] == ["fsdp2", "ours_fsdp2"], rows
+    torch2, ours2 = rows
+    assert torch2["time_ratio_fsdp2"] == torch2["peak_ratio_fsdp2"] == 1.0
+    assert ours2["time_ratio_fsdp2"] > 0 and ours2["peak_ratio_fsdp2"] > 0
+    # model state at rest (exact, integers): the same per-parameter row shards, gradients and Adam state
+    assert ours2["model_state_bytes"] == torch2["model_state_bytes"], rows
+    assert "x FSDP2" in proc.stdout and "ours_fsdp2" in proc.stdout
 
 
 def test_compare_impl_fsdp2_rejects_strategies_fsdp2_lacks():

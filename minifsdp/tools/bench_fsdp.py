@@ -1,12 +1,13 @@
 """``python -m minifsdp bench fsdp``: our FSDP against torch's FSDP1, FSDP2 and DDP, in the same run.
 
-Five trainers of the same TinyGPT (``GPTConfig.bench()``: 19.0M parameters, each
+Six trainers of the same TinyGPT (``GPTConfig.bench()``: 19.0M parameters, each
 ``Block`` its own unit, AdamW), built side by side in every rank of one spawn:
 
     ours_torch   minifsdp FSDP, FULL_SHARD, torch.distributed's collectives
     ours_ring    minifsdp FSDP, FULL_SHARD, our ring collectives (minifsdp.comm.collectives)
     fsdp1        torch FullyShardedDataParallel, FULL_SHARD          <- the reference (ratio 1.00)
     fsdp2        torch fully_shard (reshard_after_forward=True)
+    ours_fsdp2   minifsdp.fully_shard (per-parameter, chapter 5), as fsdp2     <- also read against fsdp2
     ddp          torch DistributedDataParallel (gradient_as_bucket_view=True)
 
 Step time.  After ``--warmup`` steps each, the trainers take turns (the order
@@ -49,7 +50,8 @@ a reference cycle the garbage collector cannot see into.
 
 Every figure is printed as a ratio to torch FSDP1, measured in the same run
 (times in the same processes and minutes): the only kind of performance claim
-the book makes.
+the book makes.  Step time and peak are also printed as ratios to torch FSDP2
+(``x FSDP2``), the pair to read for ``ours_fsdp2``.
 
 Note: on a laptop the ranks share a few cores (4 ranks on 2 cores run at half
 speed each) and every link is the loopback interface; compute dominates, so
@@ -76,8 +78,9 @@ from minifsdp.tools.bench import load_average, write_bench_json
 
 __all__ = ["run_fsdp_bench", "TRAINERS", "CONFIGS", "bench_rank", "format_table"]
 
-TRAINERS = ("ours_torch", "ours_ring", "fsdp1", "fsdp2", "ddp")
+TRAINERS = ("ours_torch", "ours_ring", "fsdp1", "fsdp2", "ours_fsdp2", "ddp")
 REFERENCE = "fsdp1"
+REFERENCE_FSDP2 = "fsdp2"  # the second reference: per-parameter sharding, ours against torch's
 CONFIGS = {"bench": GPTConfig.bench, "small": GPTConfig.small, "tiny": GPTConfig.tiny}
 AIMS = {"ours_torch": 1.1, "ours_ring": 1.5}  # step-time ratio to FSDP1 we aim for; memory: within 5%
 MEMORY_AIM = 0.05
@@ -89,7 +92,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
 
 def _wrap(name: str, model: torch.nn.Module) -> torch.nn.Module:
     """Wrap ``model`` (a TinyGPT) as trainer ``name``; every FSDP wraps each Block as its own unit."""
-    if name.startswith("ours_"):
+    if name in ("ours_torch", "ours_ring"):
         from minifsdp.fsdp.fully_sharded import FullyShardedDataParallel
         from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -101,10 +104,13 @@ def _wrap(name: str, model: torch.nn.Module) -> torch.nn.Module:
 
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
         return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
-    if name == "fsdp2":
+    if name in ("fsdp2", "ours_fsdp2"):  # the same calls: every Block, then the root, on a 1-D mesh
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+        from minifsdp.fsdp2 import fully_shard as ours_fully_shard
+
+        fully_shard = torch_fully_shard if name == "fsdp2" else ours_fully_shard
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
@@ -234,16 +240,19 @@ def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
                      "model_state_bytes": max(r["memory"][name]["model_state_bytes"] for r in results),
                      "at_peak_rank0": results[0]["memory"][name]["at_peak"]})
     ref = next((r for r in rows if r["trainer"] == REFERENCE), None)
+    ref2 = next((r for r in rows if r["trainer"] == REFERENCE_FSDP2), None)
     for r in rows:
         r["time_ratio"] = r["step_s"] / ref["step_s"] if ref else None
         r["cpu_ratio"] = r["cpu_s"] / ref["cpu_s"] if ref else None
         r["peak_ratio"] = r["peak_bytes"] / ref["peak_bytes"] if ref else None
+        r["time_ratio_fsdp2"] = r["step_s"] / ref2["step_s"] if ref2 else None
+        r["peak_ratio_fsdp2"] = r["peak_bytes"] / ref2["peak_bytes"] if ref2 else None
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'N':>2} {'trainer':<11} {'step ms':>9} {'x FSDP1':>8} {'cpu ms':>9} {'x FSDP1':>8} "
-            f"{'peak MB':>9} {'x FSDP1':>8} {'census MB':>9} {'RSS+ MB':>8} {'state MB':>9}  aim")
+    head = (f"{'N':>2} {'trainer':<11} {'step ms':>9} {'x FSDP1':>8} {'x FSDP2':>8} {'cpu ms':>9} {'x FSDP1':>8} "
+            f"{'peak MB':>9} {'x FSDP1':>8} {'x FSDP2':>8} {'census MB':>9} {'RSS+ MB':>8} {'state MB':>9}  aim")
     lines = [head]
     for r in rows:
         aim = ""
@@ -255,8 +264,8 @@ def format_table(rows: list[dict]) -> str:
         ratio = lambda v: f"{v:>8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
         mb = lambda v, w: f"{v / 2**20:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
         lines.append(f"{r['world_size']:>2} {r['trainer']:<11} {r['step_s'] * 1e3:>9.1f} {ratio(r['time_ratio'])} "
-                     f"{r['cpu_s'] * 1e3:>9.1f} {ratio(r['cpu_ratio'])} "
-                     f"{r['peak_bytes'] / 2**20:>9.2f} {ratio(r['peak_ratio'])} "
+                     f"{ratio(r.get('time_ratio_fsdp2'))} {r['cpu_s'] * 1e3:>9.1f} {ratio(r['cpu_ratio'])} "
+                     f"{r['peak_bytes'] / 2**20:>9.2f} {ratio(r['peak_ratio'])} {ratio(r.get('peak_ratio_fsdp2'))} "
                      f"{mb(r['census_bytes'], 9)} {mb(r['rss_bytes'], 8)} "
                      f"{r['model_state_bytes'] / 2**20:>9.2f}  {aim}")
     return "\n".join(lines)
@@ -290,8 +299,9 @@ def run_fsdp_bench(args) -> int:
                                  world_size=n, timeout_s=3600, threads_per_rank=1)
         rows += summarize(n, [{**r, "memory": m} for r, m in zip(results, memory)], names)
     print(format_table(rows))
-    print(f"({time.perf_counter() - started:.0f} s; ratios are to torch FSDP1 in the same run: below 1 is faster / "
-          f"smaller; load average {load_average():.1f} on {os.cpu_count()} CPUs: other work makes times noisy)")
+    print(f"({time.perf_counter() - started:.0f} s; ratios are to torch FSDP1 (and FSDP2) in the same run: "
+          f"below 1 is faster / smaller; load average {load_average():.1f} on {os.cpu_count()} CPUs: "
+          "other work makes times noisy)")
     print("(peak: MemoryTracker; census: live tensors counted at the same moment; RSS+: the process's resident "
           "memory growth to that moment; all three over the moment before the trainer was built, each alone)")
     if args.json:

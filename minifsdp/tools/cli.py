@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--warmup", type=int, default=None, help="fsdp: untimed steps per trainer first (1)")
     p_bench.add_argument("--batch-size", type=int, default=None,
                          help="sequences per rank per step (fsdp: 2 of 128 tokens, a 2-core run in ~6 min; else 8)")
-    p_bench.add_argument("--trainers", default="ours_torch,ours_ring,fsdp1,fsdp2,ddp",
-                         help="fsdp: which of ours_torch,ours_ring,fsdp1,fsdp2,ddp (fsdp1 is the reference)")
+    p_bench.add_argument("--trainers", default="ours_torch,ours_ring,fsdp1,fsdp2,ours_fsdp2,ddp",
+                         help="fsdp: which of ours_torch,ours_ring,fsdp1,fsdp2,ours_fsdp2,ddp (fsdp1 is the "
+                              "reference; fsdp2 the second one, for ours_fsdp2)")
     p_bench.add_argument("--mem-limit-mb", type=float, default=2048.0, help="scale: per-rank limit (RLIMIT_AS)")
     p_bench.add_argument("--width", type=int, default=512, help="scale: TinyGPT n_embd (depth is searched)")
     p_bench.add_argument("--max-layers", type=int, default=256, help="scale: deepest model tried")
