@@ -118,7 +118,6 @@ def test_dcp_ours_saved_loads_into_torch_fully_shard(dcp_result):
     assert names == [n for n, _ in TinyGPT(GPTConfig(**CFG), seed=0).named_parameters()]  # the tied head once
     assert _all_equal(dcp_result, "to_torch_before") == sorted(names), "the two models must start apart (seeds 0 and 1)"
     assert _all_equal(dcp_result, "to_torch_after") == []
-    assert all(all(r["to_torch_buffers"].values()) for r in dcp_result)
 
 
 @pytest.mark.timeout(150)
