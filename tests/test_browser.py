@@ -5,7 +5,11 @@ nbval checks what the notebooks *print*; it never draws them.  This checks what 
 * every notebook opens in JupyterLab with its Chinese chapter heading drawn in a real CJK font (not
   the empty boxes a machine without one shows), and every committed plot image decodes;
 * a widget works: notebook 02's ring slider, run in the browser's own kernel, redraws the ring when
-  the slider moves.
+  the slider moves;
+* a whole notebook runs in the browser's kernel, top to bottom, with no error output (chapter 5's: the
+  others take minutes each, and nbval already runs every one of them in a fresh kernel).
+
+A screenshot of each notebook as opened is saved under ``out/browser/``.
 
 Needs the system packages ``chromium`` and ``fonts-noto-cjk`` (Debian/Ubuntu:
 ``apt-get install -y chromium fonts-noto-cjk``; CI installs them) and ``playwright`` (test extra;
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +43,8 @@ if CHROMIUM is None:
     pytest.skip("no chromium on PATH (apt-get install -y chromium fonts-noto-cjk)", allow_module_level=True)
 
 TOKEN = "minifsdp-browser-test"
+SHOTS = ROOT / "out" / "browser"
+LAB_HOME: list[Path] = []  # the lab fixture's folder: a notebook run in the browser is read back from it
 
 # Draws two characters with the given CSS font on a canvas and says whether their pixels differ.  Two
 # different CJK characters drawn in a real CJK font differ; drawn without one, both become the same
@@ -64,6 +71,7 @@ def _free_port() -> int:
 def lab(tmp_path_factory):
     """A JupyterLab server on a free port, serving a copy of notebooks/; its URL."""
     home = tmp_path_factory.mktemp("lab")
+    LAB_HOME[:] = [home]
     shutil.copytree(ROOT / "notebooks", home / "notebooks")
     port = _free_port()
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
@@ -155,6 +163,45 @@ def test_notebook_opens_with_its_chinese_heading_and_plots(page, lab, notebook):
         page.mouse.wheel(0, 4000)
         page.wait_for_timeout(100)
     assert loaded == committed, f"{notebook.name}: {loaded} of {committed} committed plots drawn"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.keyboard.press("Home")
+    page.screenshot(path=str(SHOTS / f"{notebook.stem}.png"))
+
+
+@pytest.mark.timeout(420)
+def test_a_whole_notebook_runs_in_the_browser_without_an_error(page, lab):
+    """Run > Run All Cells on chapter 5's notebook, in JupyterLab's kernel; every code cell runs, none errs."""
+    panel = _open(page, lab, "05_fsdp_future.ipynb")
+    n_code = sum(c["cell_type"] == "code" for c in
+                 json.loads((ROOT / "notebooks" / "05_fsdp_future.ipynb").read_text())["cells"])
+    prompts = "p => Array.from(p.querySelectorAll('.jp-CodeCell .jp-InputPrompt')).map(e => e.textContent.trim())"
+    page.get_by_role("menuitem", name="Edit").click()  # the committed counts first, so a fresh run is seen
+    page.get_by_role("menuitem", name=re.compile(r"Clear Outputs of All Cells|Clear All Outputs")).click()
+    page.wait_for_function(f"([p]) => ({prompts})(p).every(t => t === '[ ]:')", arg=[panel.element_handle()])
+    page.get_by_role("menuitem", name="Run").click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    # done when the first cell has a count and none is queued or running ("[*]"): after an error
+    # JupyterLab cancels the cells still queued, which go back to "[ ]"
+    page.wait_for_function(
+        f"""([p]) => {{ const ps = ({prompts})(p);
+              return /^\\[\\d+\\]:$/.test(ps[0]) && !ps.some(t => t === '[*]:'); }}""",
+        arg=[panel.element_handle()], timeout=400_000)
+    saved = LAB_HOME[0] / "notebooks" / "05_fsdp_future.ipynb"
+    before = saved.stat().st_mtime_ns
+    page.get_by_role("menuitem", name="File").click()  # then read what ran from the saved file, not the page
+    page.get_by_role("menuitem", name=re.compile(r"^Save Notebook")).first.click()
+    for _ in range(150):
+        if saved.stat().st_mtime_ns != before:
+            break
+        page.wait_for_timeout(200)
+    assert saved.stat().st_mtime_ns != before, "JupyterLab did not save the notebook it ran"
+    page.wait_for_timeout(500)
+    cells = [c for c in json.loads(saved.read_text())["cells"] if c["cell_type"] == "code"]
+    assert len(cells) == n_code
+    errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, "error output in the browser run: " + "; ".join(f"{e['ename']}: {e['evalue']}" for e in errors)
+    counts = [c.get("execution_count") for c in cells]
+    assert counts == list(range(1, n_code + 1)), f"not every cell ran once, in order, in this kernel: {counts}"
 
 
 @pytest.mark.timeout(300)
