@@ -1,0 +1,166 @@
+"""Grades tasks 2.5b and 3.1: ``--impl=reference`` checks minifsdp's own solution, ``--impl=student``
+the stubs in exercises/config_tasks.py.  One process, no spawned ranks.
+
+Oracles: 2.5b torch FSDP1 itself, constructed with the returned kwargs on TinyGPT in a 1-rank gloo
+group (its units, its ``mixed_precision``, ``backward_prefetch``, the dtype of every flat parameter
+inside forward, the checkpoint wrappers), and torch rejecting the source's original call.  3.1 the
+unsharded TinyGPT: the consolidated state dict must load with ``strict=True`` into a fresh TinyGPT and
+give bitwise its parameters, buffers and logits (pure copies, so bitwise).
+"""
+
+import importlib
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minifsdp.models import Block, TinyGPT
+
+
+def _fn(impl, name):
+    if impl == "student":
+        return getattr(importlib.import_module("exercises.config_tasks"), name)
+    if name == "consolidate_state_dict":
+        return _reference_consolidate
+    return getattr(importlib.import_module("minifsdp.tools.corrected_call"), name)
+
+
+@pytest.fixture
+def one_rank_group():
+    if dist.is_initialized():  # someone else's group: use it, leave it
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_task2_5b_corrected_fsdp_call(impl, one_rank_group):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    kwargs = _fn(impl, "corrected_fsdp_kwargs")(Block)
+    assert "activation_checkpointing" not in kwargs
+    assert kwargs.get("sharding_strategy") == ShardingStrategy.FULL_SHARD
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one rank: FSDP switches to NO_SHARD
+        model = FSDP(TinyGPT(seed=0), **kwargs)
+    assert model.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
+    mp = model.mixed_precision
+    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.bfloat16,) * 3
+    units = [m for m in model.modules() if isinstance(m, FSDP)]
+    assert len(units) == 3 and sum(isinstance(u.module, Block) for u in units) == 2, "root + one unit per Block"
+    assert model.compute_device == torch.device("cpu")
+    # inside forward every unit's flat parameter is bf16; outside, the sharded fp32 copy is kept
+    seen = []
+    hooks = [u.module.register_forward_pre_hook(
+        lambda m, a, u=u: seen.extend(fp.dtype for fp in u.params)) for u in units]
+    _fn(impl, "apply_checkpointing")(model, Block)
+    x = torch.randint(0, 32, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logits = model(x)
+        logits.float().sum().backward()
+    for h in hooks:
+        h.remove()
+    # 3 unit forwards + 2 Block recomputations in backward: the checkpointing really runs
+    assert len(seen) == 5 and set(seen) == {torch.bfloat16}, seen
+    assert logits.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    wrapped = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    assert len(blocks) == 2 and len(wrapped) == 2
+    assert all(isinstance(w._checkpoint_wrapped_module, Block) for w in wrapped)
+    _source_call_fails()
+
+
+def _source_call_fails():
+    """What the task fixes: torch refuses the source's call."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("torch.distributed.fsdp.sharding_strategy")
+    with pytest.raises(TypeError, match="activation_checkpointing"):
+        FSDP(TinyGPT(seed=0), activation_checkpointing=True, device_id=torch.device("cpu"))
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    assert not hasattr(BackwardPrefetch, "BWD_PRE")
+    with pytest.raises(AttributeError, match="param_dtype"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        FSDP(TinyGPT(seed=0), mixed_precision=True, device_id=torch.device("cpu"))(torch.randint(0, 32, (1, 4)))
+
+
+# ---- 3.1 -------------------------------------------------------------------------------------
+
+def _reference_consolidate(units, shards, buffers, tied):
+    out = {}
+    if len(units) != len(shards):
+        raise ValueError("one list of shards per unit")
+    for layout, pieces in zip(units, shards):
+        flat = torch.cat(list(pieces))[: layout["numel"]]
+        offset = 0
+        for name, shape in zip(layout["names"], layout["shapes"], strict=True):
+            n = torch.Size(shape).numel()
+            out[name] = flat[offset: offset + n].view(shape).clone()
+            offset += n
+    for alias, name in tied.items():
+        out[alias] = out[name]
+    out.update({k: v.clone() for k, v in buffers.items()})
+    return out
+
+
+def _shard_tinygpt(model, world_size):
+    """Our own simulation of FSDP's flat shards: one unit per Block, the rest in the root unit."""
+    groups = {}
+    for name, p in model.named_parameters():  # named_parameters lists a tied weight once
+        key = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "root"
+        groups.setdefault(key, []).append((name, p.detach()))
+    units, shards = [], []
+    for params in groups.values():
+        flat = torch.cat([p.reshape(-1) for _, p in params])
+        numel = flat.numel()
+        padded = -(-numel // world_size) * world_size
+        flat = torch.cat([flat, flat.new_zeros(padded - numel)])
+        units.append({"names": [n for n, _ in params], "shapes": [tuple(p.shape) for _, p in params],
+                      "numel": numel})
+        shards.append([c.clone() for c in flat.chunk(world_size)])
+    return units, shards
+
+
+def test_task3_1_consolidate_for_serving(impl):
+    f = _fn(impl, "consolidate_state_dict")
+    model = TinyGPT(seed=3)
+    params = dict(model.named_parameters())
+    tied = {k: n for k, v in model.state_dict().items() if k not in params
+            for n, p in params.items() if v.data_ptr() == p.data_ptr()}
+    assert tied == {"lm_head.weight": "tok_emb.weight"}
+    buffers = dict(model.named_buffers())
+    x = torch.randint(0, 32, (2, 8))
+    for world_size in (1, 3, 7):
+        units, shards = _shard_tinygpt(model, world_size)
+        padded = [sum(s.numel() for s in sh) > u["numel"] for u, sh in zip(units, shards, strict=True)]
+        assert world_size == 1 or any(padded), "no padding"
+        state = f(units, shards, buffers, tied)
+        plain = TinyGPT(seed=99)
+        plain.load_state_dict(state, strict=True)
+        ref = model.state_dict()
+        assert set(plain.state_dict()) == set(ref)
+        for k, v in plain.state_dict().items():
+            assert torch.equal(v, ref[k]), k
+        assert plain.lm_head.weight is plain.tok_emb.weight
+        with torch.no_grad():
+            assert torch.equal(plain(x), model(x))
+        # copies, not views of a shard: changing a shard afterwards must not change the state dict
+        before = {k: v.clone() for k, v in state.items()}
+        for sh in shards:
+            for s in sh:
+                s.add_(1.0)
+        assert all(torch.equal(before[k], state[k]) for k in state)
