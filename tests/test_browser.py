@@ -75,7 +75,13 @@ def lab(tmp_path_factory):
     shutil.copytree(ROOT / "notebooks", home / "notebooks")
     port = _free_port()
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
-               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"))
+    # JupyterLab 4 renders only the cells near the view ("windowing") and drops the others from the page;
+    # render every cell, so that a cell's plot stays in the page once drawn
+    tracker = home / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    tracker.parent.mkdir(parents=True)
+    tracker.write_text(json.dumps({"windowingMode": "none"}))
     env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(Path(sys.prefix) / "share" / "jupyter"),
                                                         env.get("JUPYTER_PATH")]))
     log = open(home / "lab.log", "w")
@@ -153,15 +159,19 @@ def test_notebook_opens_with_its_chinese_heading_and_plots(page, lab, notebook):
 
     committed = sum(1 for c in json.loads(notebook.read_text())["cells"] for o in c.get("outputs", [])
                     if "image/png" in o.get("data", {}))
-    # JupyterLab renders cells lazily as they scroll into view: scroll to the end first
+    # scroll to the end, collecting every plot that has decoded (each by its data: a plot is counted once
+    # even if the page drops it again after it scrolled out of view)
+    seen = set()
     for _ in range(200):
         page.keyboard.press("End")
-        loaded = panel.evaluate("p => Array.from(p.querySelectorAll('.jp-RenderedImage img'))"
-                                ".filter(i => i.complete && i.naturalWidth > 0).length")
-        if loaded >= committed:
+        seen |= set(panel.evaluate("p => Array.from(p.querySelectorAll('.jp-RenderedImage img'))"
+                                   ".filter(i => i.complete && i.naturalWidth > 0)"
+                                   ".map(i => i.src.length + ':' + i.src.slice(-64))"))
+        if len(seen) >= committed:
             break
         page.mouse.wheel(0, 4000)
         page.wait_for_timeout(100)
+    loaded = len(seen)
     assert loaded == committed, f"{notebook.name}: {loaded} of {committed} committed plots drawn"
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.keyboard.press("Home")
