@@ -22,6 +22,7 @@ from minifsdp.fsdp.deferred_init import tinygpt_param_init_fn
 from minifsdp.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from minifsdp.memory.tracker import MemoryTracker, without_resident
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
+from tests._workers_fsdp import _error_of  # (type name, message) of what fn raises, or None
 
 STEPS, BATCH = 3, 4
 CPU = torch.device("cpu")
@@ -197,14 +198,6 @@ def case_sync(rank, world):
     out["torch_cpu"] = _error_of(lambda: TorchFSDP(TinyGPT(GPTConfig(n_layer=2), seed=0), device_id=CPU,
                                                    sync_module_states=True))
     return out
-
-
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the type and the message
-        return type(e).__name__, str(e)
-    return None
 
 
 def case_errors(rank, world):
