@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     from minifsdp.tools.train import add_arguments
 
     add_arguments(p_train)
+    from minifsdp.tools.student import add_student_argument
+
+    add_student_argument(p_train)  # --impl student: your exercise functions inside our FSDP (student.py)
 
     p_gen = sub.add_parser("generate", help="greedy text from a train run's consolidated weights")
     p_gen.add_argument("--checkpoint", required=True, help="the run's --checkpoint-dir (or one step_* folder in it)")
@@ -69,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from minifsdp.tools.train_checks import JobError
 
         try:
+            if args.command == "train" and args.impl == "student":
+                from minifsdp.tools.student import run_student
+
+                return run_student(args)
             if args.command == "train":
                 from minifsdp.tools.train import run_train
 

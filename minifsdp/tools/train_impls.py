@@ -37,7 +37,7 @@ from minifsdp.models import Block
 __all__ = ["IMPLS", "wrap", "make_scaler", "clip", "save_torch_checkpoint", "load_torch_checkpoint",
            "full_weights"]
 
-IMPLS = ("ours", "torch-fsdp1", "torch-fsdp2")
+IMPLS = ("ours", "torch-fsdp1", "torch-fsdp2", "student")  # student: ours with your exercise functions (student.py)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -56,6 +56,9 @@ def _process_group(strategy: str):
 def wrap(model: nn.Module, args) -> nn.Module:
     """``model`` sharded by ``args.impl`` (one unit per Block), with mixed precision and checkpointing."""
     dtype = DTYPES.get(args.mixed_precision)
+    if args.impl == "student":
+        raise ValueError("--impl student is a comparison job of its own: python -m minifsdp train --impl student "
+                         "(minifsdp.tools.student.run_student)")
     if args.impl == "ours":
         from minifsdp.fsdp import FSDP, MixedPrecision, apply_activation_checkpointing
         from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
