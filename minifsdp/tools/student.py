@@ -163,8 +163,9 @@ def report(results: list[dict], modules: dict[str, str]) -> tuple[str, bool]:
         return "\n".join(out), True
     if first is not None:
         lo, ly = r0["ours"][first - 1][0], r0["yours"][first - 1][0]
-        what = "the loss" if not _same(lo, ly) else "the gradient norm (the losses follow at the next step)"
-        out.append(f"FAIL: {what} differs from --impl ours at step {first}.")
+        what = "the loss differs" if not _same(lo, ly) else \
+            "the gradient norm differs (the loss follows at the next step)"
+        out.append(f"FAIL at step {first}: {what} from --impl ours.")
     else:
         out.append("FAIL: the losses and gradient norms agree (a prefetch only moves when an all-gather starts, "
                    "never the numbers), but a function answered differently than ours:")
@@ -182,8 +183,11 @@ def report(results: list[dict], modules: dict[str, str]) -> tuple[str, bool]:
 
 def _student_message(e: RankFailedError) -> str:
     """The StudentError's text from a failed rank's traceback, or the whole traceback."""
-    marker = "StudentError: "
-    return e.detail[e.detail.rindex(marker) + len(marker):].strip() if marker in e.detail else str(e)
+    marker, detail = "StudentError: ", e.detail
+    if marker not in detail:
+        return str(e)
+    text = detail[detail.index(marker) + len(marker):]
+    return text.split("\n(rank ")[0].strip()  # launch.py appends "(rank k also failed: ...)" lines
 
 
 def run_student(args: argparse.Namespace) -> int:

@@ -111,7 +111,7 @@ class Plug:
                 f"Task {task} is not done yet: {where} raised NotImplementedError({str(e)!r}).\n"
                 f"Finish it (the text and hints: {text}), grade it alone with "
                 f"`pytest {grader} --impl=student -k {task}`, then run it inside FSDP again; or plug in only "
-                "the tasks you have finished, e.g. --student 2.2 (see `python -m minifsdp train --help`).") from e
+                "the tasks you have finished: --student with some of 2.1a,2.2,2.5 (e.g. --student 2.5).") from e
         except StudentError:
             raise
         except Exception as e:
