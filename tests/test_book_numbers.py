@@ -12,9 +12,16 @@ decimal point, a thousands separator or an ``x``/``%`` suffix) must appear among
 named cells printed in the committed notebook.  Plain small integers ("2 ranks", "step 3") are prose,
 not measurements, and are not checked.  Commas are ignored on both sides (``169,088`` = ``169088``).
 
+Facts that are words, not figures (a CPU flag, a capability string), are tagged ``quotes`` instead:
+
+    <!-- quotes: 04_advanced_topics.ipynb#c06e -->
+    `/proc/cpuinfo` lists `avx512_bf16` ...
+
+Every ``code span`` in a ``quotes`` block must appear verbatim in the named cells' committed output.
+
 What this proves and what it does not: a tagged figure was printed by the notebook as committed; it
-does not prove the figure belongs to the row it sits in.  The planted-fault test below shows the check
-failing on a changed digit, a missing cell and an empty block.
+does not prove the figure belongs to the row it sits in.  The planted-fault tests below show the checks
+failing on a changed digit or word, a missing cell and an empty block.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = re.compile(r"<!--\s*numbers:\s*([\w.\-]+\.ipynb)#([\w\-,]+)\s*-->")
+QUOTE_TAG = re.compile(r"<!--\s*quotes:\s*([\w.\-]+\.ipynb)#([\w\-,]+)\s*-->")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
 NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=x\b|%))(?:x\b|%)?")
 ANY_NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
 
@@ -55,11 +64,11 @@ def cell_outputs(notebook: Path, cell_ids: list[str]) -> str:
     return "\n".join(out)
 
 
-def tagged_blocks(chapter_text: str) -> list[tuple[int, str, list[str], str]]:
-    """(line number, notebook, cell ids, block text) for every tag in a chapter."""
+def tagged_blocks(chapter_text: str, tag: re.Pattern = TAG) -> list[tuple[int, str, list[str], str]]:
+    """(line number, notebook, cell ids, block text) for every ``tag`` (numbers, or quotes) in a chapter."""
     lines, found = chapter_text.splitlines(), []
     for n, line in enumerate(lines):
-        m = TAG.search(line)
+        m = tag.search(line)
         if not m:
             continue
         block, k = [], n + 1
@@ -89,6 +98,17 @@ def disagreements(chapter_text: str, notebooks: Path) -> list[str]:
         if not quoted:
             problems.append(f"line {line}: the tagged block quotes no figure")
         problems += [f"line {line}: {q} is not in the output of {nb}#{','.join(ids)}" for q in quoted
+                     if q not in shown]
+    for line, nb, ids, block in tagged_blocks(chapter_text, QUOTE_TAG):
+        try:
+            shown = cell_outputs(notebooks / nb, ids)
+        except (OSError, LookupError) as e:
+            problems.append(f"line {line}: {e}")
+            continue
+        quoted = CODE_SPAN.findall(block)
+        if not quoted:
+            problems.append(f"line {line}: the tagged block quotes no `code span`")
+        problems += [f"line {line}: `{q}` is not in the output of {nb}#{','.join(ids)}" for q in quoted
                      if q not in shown]
     return problems
 
@@ -122,3 +142,17 @@ def test_the_check_catches_a_changed_digit_a_missing_cell_and_an_empty_block():
     assert any("has no cell with id" in p for p in disagreements(no_cell, nbs))
     empty = f"<!-- numbers: {nb}#{ids[0]} -->\nno figures here\n"
     assert disagreements(empty, nbs) == ["line 1: the tagged block quotes no figure"]
+
+
+def test_the_quotes_check_catches_a_changed_word_and_an_empty_block():
+    text = (ROOT / "chapters" / "04_advanced_topics.md").read_text()
+    nbs = ROOT / "notebooks"
+    blocks = tagged_blocks(text, QUOTE_TAG)
+    assert blocks and disagreements(text, nbs) == []
+    line, nb, ids, block = blocks[0]
+    word = CODE_SPAN.findall(block)[0]
+    changed = text.replace(block, block.replace(f"`{word}`", f"`{word}x`", 1), 1)
+    assert changed != text
+    assert any(f"`{word}x` is not in the output" in p for p in disagreements(changed, nbs))
+    empty = f"<!-- quotes: {nb}#{ids[0]} -->\nno code spans here\n"
+    assert disagreements(empty, nbs) == ["line 1: the tagged block quotes no `code span`"]
