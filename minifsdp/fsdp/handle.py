@@ -61,11 +61,28 @@ def set_tensor_attr(module: nn.Module, name: str, t: torch.Tensor) -> None:
     An instance attribute shadows ``module._parameters[name]`` (``nn.Module.__getattr__``
     is only asked when normal lookup fails), so the registration, and the order
     of ``named_parameters()``, stay untouched.
+
+    Note (the module's own ``__setattr__``): the write goes through ``setattr``, so a
+    module that overrides ``__setattr__`` sees every switch of views, as it does under
+    torch FSDP1 (which switches with ``delattr`` + ``setattr``).  ``nn.Module.__setattr__``
+    refuses a plain tensor under a registered parameter's name, so a registered name is
+    taken out of ``_parameters`` for the write and put back in its place after it.
     """
-    module.__dict__[name] = t
+    params = module._parameters
+    if name not in params:
+        setattr(module, name, t)
+        return
+    registered = dict(params)
+    del params[name]
+    try:
+        setattr(module, name, t)
+    finally:
+        params.clear()
+        params.update(registered)  # the same names in the same order
 
 
 def clear_tensor_attr(module: nn.Module, name: str) -> None:
+    """Undo :func:`set_tensor_attr`: ``module.<name>`` is the registered parameter (if any) again."""
     module.__dict__.pop(name, None)
 
 

@@ -241,8 +241,7 @@ CASES.add(case_sync_module_states)
 for _o in (False, True):
     CASES.add(case_setattr_override, orig=_o)
 
-XFAIL: dict = {"setattr_override:": "ours switches a parameter's views through the module's __dict__ and "
-                                    "_parameters, never through the module's own __setattr__ (torch: delattr+setattr)"}
+XFAIL: dict = {}
 FAST = ("not_all_outputs_used:strategy=FULL_SHARD",)
 
 
