@@ -48,6 +48,16 @@ Subtracting the census before a trainer also removes what earlier trainers
 left behind: torch FSDP1 (and ours) keep a dropped model's shards alive through
 a reference cycle the garbage collector cannot see into.
 
+What the peak is made of.  Under the table, one line per trainer splits its
+peak (the rank with the top one) by the tracker's categories (``minifsdp.memory.
+tracker.CATEGORIES``): the shards, Adam's state, the gathered (unsharded)
+parameters, the activations saved for backward, "other" (gradients being
+computed, comm buffers), and "made" = resident at the peak - census before:
+what the trainer made before the tracked step and still holds, not reachable
+from the model or optimizer (our ring's reusable receive buffers, the comm
+workspace, counted apart as "ring ws").  A second line per trainer names the
+categories where it differs from FSDP1 at their peaks.
+
 Every figure is printed as a ratio to torch FSDP1, measured in the same run
 (times in the same processes and minutes): the only kind of performance claim
 the book makes.  Step time and peak are also printed as ratios to torch FSDP2
@@ -70,9 +80,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from minifsdp.comm import stream as comm_stream
 from minifsdp.launch import spawn
 from minifsdp.memory.census import live_tensor_bytes, return_freed_memory, rss_bytes
-from minifsdp.memory.tracker import MemoryTracker, snapshot
+from minifsdp.memory.tracker import CATEGORIES, MemoryTracker, snapshot
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
 from minifsdp.tools.bench import load_average, write_bench_json
 
@@ -82,8 +93,10 @@ TRAINERS = ("ours_torch", "ours_ring", "fsdp1", "fsdp2", "ours_fsdp2", "ddp")
 REFERENCE = "fsdp1"
 REFERENCE_FSDP2 = "fsdp2"  # the second reference: per-parameter sharding, ours against torch's
 CONFIGS = {"bench": GPTConfig.bench, "small": GPTConfig.small, "tiny": GPTConfig.tiny}
-AIMS = {"ours_torch": 1.1, "ours_ring": 1.5}  # step-time ratio to FSDP1 we aim for; memory: within 5%
-MEMORY_AIM = 0.05
+# issue 16: step time <= 0.9x torch FSDP1's, peak per rank <= min(FSDP1's, FSDP2's) (each where measured)
+AIMS = {"ours_torch": 0.9, "ours_ring": 0.9}
+SHORT = {"parameters": "shards", "gradients": "grads", "optimizer_state": "adam", "buffers": "buffers",
+         "unsharded_parameters": "gathered", "activations": "activations", "other": "other"}
 # glibc: every block of 64 KiB or more gets its own mapping, unmapped when freed.  By default glibc raises this
 # threshold (up to 32 MiB) each time such a block is freed, then keeps freed blocks for reuse, so the RSS holds
 # what was freed and reads up to 2x the live tensors (19M parameters).  Only in the memory spawn: it slows steps.
@@ -194,11 +207,18 @@ def _spawn_with_env(env: dict[str, str], *args, **kwargs) -> list:
                 os.environ[k] = v
 
 
+def _ring_workspace_bytes() -> int:
+    """Bytes of the comm streams' reusable scratch buffers (``minifsdp.comm.stream``; 0 if none or no such table)."""
+    streams = list(getattr(comm_stream, "_STREAMS", {}).values())
+    return sum(t.untyped_storage().nbytes() for s in streams for t in getattr(s, "workspace", {}).values()
+               if isinstance(t, torch.Tensor))
+
+
 def _memory_alone(name: str, cfg: GPTConfig, batch) -> dict:
     """Build ``name`` with nothing else alive, warm it up, track one step; tracker, census and RSS at its peak."""
     gc.collect()
     return_freed_memory()
-    census_before, rss_before = live_tensor_bytes(), rss_bytes()
+    census_before, rss_before, ws_before = live_tensor_bytes(), rss_bytes(), _ring_workspace_bytes()
     model = _wrap(name, TinyGPT(cfg, seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     _step(model, opt, *batch)  # lazy init, Adam's state
@@ -221,7 +241,7 @@ def _memory_alone(name: str, cfg: GPTConfig, batch) -> dict:
             "rss_bytes": rise(rss_at_peak, rss_before), "tracker_peak_total": mt.peak_bytes,
             "census_at_peak_total": census_at_peak, "census_before": census_before,
             "model_state_bytes": rest["parameters"] + rest["gradients"] + rest["optimizer_state"],
-            "at_peak": mt.breakdown_at_peak}
+            "at_peak": mt.breakdown_at_peak, "ring_workspace_bytes": _ring_workspace_bytes() - ws_before}
 
 
 def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
@@ -238,7 +258,8 @@ def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
                      "census_bytes_per_rank": [r["memory"][name]["census_bytes"] for r in results],
                      "rss_bytes_per_rank": [r["memory"][name]["rss_bytes"] for r in results],
                      "model_state_bytes": max(r["memory"][name]["model_state_bytes"] for r in results),
-                     "at_peak_rank0": results[0]["memory"][name]["at_peak"]})
+                     "at_peak_rank0": results[0]["memory"][name]["at_peak"],
+                     "peak_breakdown": peak_breakdown(top)})
     ref = next((r for r in rows if r["trainer"] == REFERENCE), None)
     ref2 = next((r for r in rows if r["trainer"] == REFERENCE_FSDP2), None)
     for r in rows:
@@ -247,7 +268,43 @@ def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
         r["peak_ratio"] = r["peak_bytes"] / ref["peak_bytes"] if ref else None
         r["time_ratio_fsdp2"] = r["step_s"] / ref2["step_s"] if ref2 else None
         r["peak_ratio_fsdp2"] = r["peak_bytes"] / ref2["peak_bytes"] if ref2 else None
+        r["peak_ratio_best_torch"] = (r["peak_bytes"] / min(x["peak_bytes"] for x in (ref, ref2) if x)
+                                      if ref or ref2 else None)
     return rows
+
+
+def peak_breakdown(memory: dict) -> dict[str, int]:
+    """The peak bytes (over the census before the trainer was built) by the tracker's category.
+
+    "made": resident at the peak less the census before: bytes the trainer made before the
+    tracked step and still holds outside the model and optimizer; "ring_ws" (part of it): the
+    comm streams' scratch.  The values other than "ring_ws" add up to ``peak_bytes``.
+    """
+    at = memory["at_peak"]
+    out = {c: at.get(c, 0) for c in CATEGORIES if c != "resident"}
+    out["made"] = at.get("resident", 0) - (memory["tracker_peak_total"] - memory["peak_bytes"])
+    out["ring_ws"] = memory.get("ring_workspace_bytes", 0)
+    return out
+
+
+def format_breakdowns(rows: list[dict]) -> str:
+    """Per trainer: its peak by category (MB); then where it differs from FSDP1's peak (same world size)."""
+    lines = ["peak by category (MB; 'made': held outside the model and optimizer since before the step, "
+             "'ring ws': of it, the comm streams' scratch):"]
+    for r in rows:
+        b = r["peak_breakdown"]
+        parts = [f"{SHORT[c]} {b[c] / 2**20:.2f}" for c in SHORT if b[c]]
+        ws = f" (ring ws {b['ring_ws'] / 2**20:.2f})" if b["ring_ws"] else ""
+        parts.append(f"made {b['made'] / 2**20:.2f}{ws}")
+        lines.append(f"  N={r['world_size']} {r['trainer']:<11} " + " | ".join(parts))
+        ref = next((x for x in rows if x["trainer"] == REFERENCE and x["world_size"] == r["world_size"]), None)
+        if ref is not None and r is not ref:
+            diff = {c: b[c] - ref["peak_breakdown"][c] for c in (*SHORT, "made")}
+            shown = [f"{SHORT.get(c, c)} " + (f"{d / 2**20:+.2f}" if abs(d) >= 2**17 else f"{d / 2**10:+.1f} KiB")
+                     for c, d in diff.items() if abs(d) >= 1024]
+            lines.append(f"  {'':>4} {'':<11}   vs fsdp1: " + (", ".join(shown) if shown else "the same bytes "
+                                                                     "in every category (within 1 KiB)"))
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -258,9 +315,9 @@ def format_table(rows: list[dict]) -> str:
         aim = ""
         if r["trainer"] in AIMS and r["time_ratio"] is not None:
             ok_t = r["time_ratio"] <= AIMS[r["trainer"]]
-            ok_m = abs(r["peak_ratio"] - 1) <= MEMORY_AIM
+            ok_m = r["peak_ratio_best_torch"] <= 1
             aim = (f"time <= {AIMS[r['trainer']]}x: {'ok' if ok_t else 'MISSED'}; "
-                   f"peak within 5%: {'ok' if ok_m else 'MISSED'}")
+                   f"peak <= torch's best: {'ok' if ok_m else 'MISSED'}")
         ratio = lambda v: f"{v:>8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
         mb = lambda v, w: f"{v / 2**20:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
         lines.append(f"{r['world_size']:>2} {r['trainer']:<11} {r['step_s'] * 1e3:>9.1f} {ratio(r['time_ratio'])} "
@@ -299,6 +356,7 @@ def run_fsdp_bench(args) -> int:
                                  world_size=n, timeout_s=3600, threads_per_rank=1)
         rows += summarize(n, [{**r, "memory": m} for r, m in zip(results, memory)], names)
     print(format_table(rows))
+    print(format_breakdowns(rows))
     print(f"({time.perf_counter() - started:.0f} s; ratios are to torch FSDP1 (and FSDP2) in the same run: "
           f"below 1 is faster / smaller; load average {load_average():.1f} on {os.cpu_count()} CPUs: "
           "other work makes times noisy)")
