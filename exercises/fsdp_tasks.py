@@ -10,6 +10,10 @@ The task text and hints are in ``exercises/README_fsdp.md``.  Grade with::
 
     pytest tests/exercises/test_fsdp_exercises.py --impl=student        # or -k 2.1b for one task
 
+Then run 2.1a inside a real FSDP training run, compared bitwise with ours::
+
+    python -m minifsdp train --impl student --student 2.1a --steps 8
+
 The reference solutions are in ``minifsdp/fsdp/reference_ops.py`` (read them after you are done).
 """
 

@@ -11,6 +11,10 @@ The task text and hints are in ``exercises/README_overlap.md``.  Grade with::
 
     pytest tests/exercises/test_overlap_exercises.py --impl=student      # or -k 4_1b for one task
 
+Then run 2.5 inside a real FSDP training run, compared bitwise with ours::
+
+    python -m minifsdp train --impl student --student 2.5 --steps 8
+
 The reference solutions: ``minifsdp.fsdp.prefetch.prefetch_target``,
 ``minifsdp.fsdp.mixed_precision.MixedPrecision.dtypes_for`` and
 ``minifsdp.fsdp.mixed_precision.reduce_gradient_shard`` (read them after you are done).

@@ -6,6 +6,10 @@ they do.  The task text and hints are in ``exercises/README_ring.md``.  Grade wi
 
     pytest tests/exercises/test_ring_exercises.py --impl=student
 
+Then run it inside a real FSDP training run, compared bitwise with ours::
+
+    python -m minifsdp train --impl student --student 2.2 --steps 8
+
 Only ``dist.isend`` / ``dist.irecv`` (and ``.wait()``) are allowed for moving data;
 ``dist.all_reduce`` and friends are what you are rebuilding.
 """

@@ -120,8 +120,8 @@ def student_worker(args, modules: dict[str, str]) -> dict:
 
 
 def _same(a: float, b: float) -> bool:
-    """Bitwise, NaN included (a NaN loss in both runs is the same)."""
-    return a == b or (math.isnan(a) and math.isnan(b))
+    """Bitwise (``float.hex``: -0.0 is not 0.0), a NaN in both runs included."""
+    return a.hex() == b.hex() or (math.isnan(a) and math.isnan(b))
 
 
 def _table(ours, yours) -> tuple[list[str], int | None]:
@@ -167,8 +167,9 @@ def report(results: list[dict], modules: dict[str, str]) -> tuple[str, bool]:
             "the gradient norm differs (the loss follows at the next step)"
         out.append(f"FAIL at step {first}: {what} from --impl ours.")
     else:
-        out.append("FAIL: the losses and gradient norms agree (a prefetch only moves when an all-gather starts, "
-                   "never the numbers), but a function answered differently than ours:")
+        why = " (a prefetch only moves when an all-gather starts, never the numbers)" \
+            if "prefetch_target" in wrong else ""
+        out.append(f"FAIL: the losses and gradient norms agree{why}, but a function answered differently than ours:")
     if wrong:
         out.append("first wrong answer of each plugged function (the same inputs through minifsdp's own):")
         for f, where in wrong.items():
