@@ -7,8 +7,10 @@ original parameters our layout used to keep after flattening (issue 19).
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -135,3 +137,65 @@ def dropped_model_worker(cases: tuple) -> dict:
         gc.collect()
         out[case] = live_tensor_bytes() - base
     return out
+
+
+def frees_worker(collectives: str, fault: str | None = None) -> dict:
+    """When does a unit let go of its full buffers?  Checked at the moments torch FSDP2 frees them.
+
+    * right after a unit's post-backward (a hook on its gradient leaf, registered after ours, runs
+      next): the full gradient it reduce-scattered is dead (every storage handed to the
+      reduce-scatter), its gradient leaf holds none, its all-gathered parameters are freed (0 bytes)
+      and ``flat_param.grad`` is the reduced shard;
+    * after the forward: every unit but the root has freed its all-gathered parameters (FSDP2's
+      reshard after forward; its root keeps them for the backward, as ours);
+    * after the backward: every unit, the root too.
+
+    ``fault="keep_grad"`` plants the bug the checks exist for: something keeps the full gradient
+    after its reduce-scatter (a reference in a list, as a stale ``pending`` entry would).
+    Returns {"kept_grad_bytes", "grad_leaf_left", "gathered_after_post_backward", "shard_grad_ok",
+    "after_forward": [bytes per unit, root first], "after_backward": [...], "reduce_scatters"}.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _wrap("ours", TinyGPT(GPTConfig.tiny(), seed=0), {Block}, "FULL_SHARD", False)
+    units = FSDP.fsdp_modules(model)
+    handles = [u._handle for u in units]
+    given = {id(h): [] for h in handles}  # weak references to every storage handed to a reduce-scatter
+    report = {"kept_grad_bytes": 0, "grad_leaf_left": 0, "gathered_after_post_backward": 0, "shard_grad_ok": True,
+              "reduce_scatters": 0}
+    kept = []
+    for h in handles:
+        def reduce_scatter(out, inp, group, async_op=False, _h=h, _orig=h.comm.reduce_scatter):
+            given[id(_h)].append(weakref.ref(inp.untyped_storage()))
+            if fault == "keep_grad":
+                kept.append(inp)
+            report["reduce_scatters"] += 1
+            return _orig(out, inp, group, async_op=async_op)
+
+        h.comm = copy.copy(h.comm)  # this unit's own, so that each unit's calls are told apart
+        h.comm.reduce_scatter = reduce_scatter
+
+        def after_post_backward(_leaf, _h=h):
+            alive = [r() for r in given[id(_h)] if r() is not None]
+            report["kept_grad_bytes"] += sum(st.nbytes() for st in alive)
+            report["grad_leaf_left"] += _h.unsharded.grad is not None
+            report["gathered_after_post_backward"] += _h.padded.untyped_storage().nbytes()
+            g = _h.flat_param.grad
+            report["shard_grad_ok"] &= g is not None and g.shape == _h.flat_param.shape
+
+        h.unsharded.register_post_accumulate_grad_hook(after_post_backward)
+    corpus = CharCorpus()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):  # the second step runs with every buffer already made once
+        opt.zero_grad(set_to_none=True)
+        loss = model(*corpus.batch(step, 2, 32, rank, world))
+        report["after_forward"] = [h.padded.untyped_storage().nbytes() for h in handles]
+        loss.backward()
+        report["after_backward"] = [h.padded.untyped_storage().nbytes() for h in handles]
+        opt.step()
+    report["units"] = len(handles)
+    return report
+
+
+def frees_cases_worker(cases: tuple) -> list:
+    """:func:`frees_worker` for each (collectives, fault) in ``cases``, in one spawn."""
+    return [frees_worker(c, f) for c, f in cases]

@@ -55,3 +55,31 @@ def test_a_dropped_model_is_freed():
     for rank, left in enumerate(spawn(W.dropped_model_worker, (cases,), world_size=2)):
         assert sorted(left) == sorted(cases)
         assert all(b == 0 for b in left.values()), f"rank {rank}: bytes left after dropping the model: {left}"
+
+
+@pytest.fixture(scope="module")
+def frees():
+    """One spawn: ours with torch's and with our ring collectives, then with the planted fault."""
+    cases = (("torch", None), ("ring", None), ("torch", "keep_grad"))
+    per_rank = spawn(W.frees_cases_worker, (cases,), world_size=2)
+    return {case: [r[i] for r in per_rank] for i, case in enumerate(cases)}
+
+
+@pytest.mark.parametrize("collectives", ["torch", "ring"])
+def test_a_units_full_gradient_is_freed_right_after_its_reduce_scatter(frees, collectives):
+    """Oracle: torch FSDP2's free points (``_fsdp_param_group.py``: the unsharded gradient dropped in
+    ``post_backward`` once handed to the reduce-scatter, the parameters resharded after backward; after
+    forward every unit but the root).  Exact: storage sizes and counts, not timings."""
+    for rank, r in enumerate(frees[(collectives, None)]):
+        assert r["reduce_scatters"] == 2 * r["units"], r  # every unit reduced, both steps (the checks ran)
+        assert r["kept_grad_bytes"] == 0, f"rank {rank}: full gradients alive after their post-backward: {r}"
+        assert r["grad_leaf_left"] == 0 and r["gathered_after_post_backward"] == 0 and r["shard_grad_ok"], r
+        root, *blocks = r["after_forward"]
+        assert root > 0 and blocks and all(b == 0 for b in blocks), r  # the root keeps its parameters
+        assert r["after_backward"] == [0] * r["units"], r
+
+
+def test_the_free_check_catches_a_kept_full_gradient(frees):
+    """The planted fault (a reference kept to each reduce-scatter's input) is what the check above sees."""
+    for r in frees[("torch", "keep_grad")]:
+        assert r["kept_grad_bytes"] > 0, r
