@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         from minifsdp.tools.train_checks import JobError
 
         try:
+            if args.command == "train" and args.student is not None and args.impl != "student":
+                raise JobError(f"--student chooses what --impl student plugs in; drop it, or use --impl student "
+                               f"(not {args.impl})")
             if args.command == "train" and args.impl == "student":
                 from minifsdp.tools.student import run_student
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import torch
@@ -175,15 +176,17 @@ def report(results: list[dict], modules: dict[str, str]) -> tuple[str, bool]:
         for f, where in wrong.items():
             task, text, grader = FUNCTIONS[f]
             out.append(f"  {f} (Task {task}, {modules[f]}): {where}")
-            out.append(f"      grade it alone: pytest {grader} --impl=student -k {task}   (text: {text})")
+            out.append(f"      grade it alone: {grader}   (text: {text})")
     else:
         out.append("no single call answered differently than ours: at 3 or more ranks a ring that adds in "
                    "another order than the exercise text's differs in the last bits; try --world-size 2")
     return "\n".join(out), False
 
 
-def _student_message(e: RankFailedError) -> str:
-    """The StudentError's text from a failed rank's traceback, or the whole traceback."""
+def _student_message(e: Exception) -> str:
+    """The StudentError's text (from a failed rank's traceback), or the whole traceback."""
+    if isinstance(e, StudentError):
+        return str(e)
     marker, detail = "StudentError: ", e.detail
     if marker not in detail:
         return str(e)
@@ -207,14 +210,18 @@ def run_student(args: argparse.Namespace) -> int:
         raise JobError(str(e)) from e
     args.impl = "ours"  # both runs build our FSDP; the second gets the student's functions plugged in
     args.job = check_args(args, MODELS, launched_by_torchrun())
-    print(f"minifsdp train --impl student: TinyGPT-{args.model}, {args.world_size} ranks, {args.strategy}, "
-          f"{args.steps} steps, trained with --impl ours and then with your functions", flush=True)
+    say = not launched_by_torchrun() or os.environ.get("RANK") == "0"  # under torchrun: rank 0 prints
+    if say:
+        print(f"minifsdp train --impl student: TinyGPT-{args.model}, {args.world_size} ranks, {args.strategy}, "
+              f"{args.steps} steps, trained with --impl ours and then with your functions", flush=True)
     try:
         results = spawn(student_worker, args=(args, modules), world_size=args.world_size,
                         timeout_s=120 + 2 * args.steps)
-    except RankFailedError as e:
-        print(f"minifsdp train --impl student: {_student_message(e)}", file=sys.stderr, flush=True)
+    except (RankFailedError, StudentError) as e:  # StudentError itself: under torchrun this process is a rank
+        if say:
+            print(f"minifsdp train --impl student: {_student_message(e)}", file=sys.stderr, flush=True)
         return 1
     text, passed = report(results, modules)
-    print(text, flush=True)
+    if say:
+        print(text, flush=True)
     return 0 if passed else 1

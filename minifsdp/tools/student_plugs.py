@@ -50,14 +50,17 @@ from minifsdp.fsdp.units import clean_name, is_unit, units, units_with_params
 
 __all__ = ["FUNCTIONS", "StudentError", "Plug", "StudentComm", "StudentHandle", "StudentOrder", "plug_into"]
 
-# function -> (task, exercise text, grading test)
+_FSDP = ("exercises/README_fsdp.md", "pytest tests/exercises/test_fsdp_exercises.py --impl=student -k 2.1a")
+_RING = ("exercises/README_ring.md", "pytest tests/exercises/test_ring_exercises.py --impl=student -k ")
+# function -> (task, exercise text, the command that grades that task alone)
 FUNCTIONS = {
-    "flatten_and_shard": ("2.1a", "exercises/README_fsdp.md", "tests/exercises/test_fsdp_exercises.py"),
-    "unflatten": ("2.1a", "exercises/README_fsdp.md", "tests/exercises/test_fsdp_exercises.py"),
-    "ring_reduce_scatter": ("2.2a", "exercises/README_ring.md", "tests/exercises/test_ring_exercises.py"),
-    "ring_all_gather": ("2.2b", "exercises/README_ring.md", "tests/exercises/test_ring_exercises.py"),
-    "ring_all_reduce": ("2.2c", "exercises/README_ring.md", "tests/exercises/test_ring_exercises.py"),
-    "prefetch_target": ("2.5", "exercises/README_overlap.md", "tests/exercises/test_overlap_exercises.py"),
+    "flatten_and_shard": ("2.1a", *_FSDP),
+    "unflatten": ("2.1a", *_FSDP),
+    "ring_reduce_scatter": ("2.2a", _RING[0], _RING[1] + "2.2a"),
+    "ring_all_gather": ("2.2b", _RING[0], _RING[1] + "2.2b"),
+    "ring_all_reduce": ("2.2c", _RING[0], _RING[1] + "2.2c"),
+    "prefetch_target": ("2.5", "exercises/README_overlap.md",
+                        "pytest tests/exercises/test_overlap_exercises.py --impl=student -k 2_5"),
 }
 
 
@@ -119,9 +122,9 @@ class Plug:
         except NotImplementedError as e:
             raise StudentError(
                 f"Task {task} is not done yet: {where} raised NotImplementedError({str(e)!r}).\n"
-                f"Finish it (the text and hints: {text}), grade it alone with "
-                f"`pytest {grader} --impl=student -k {task}`, then run it inside FSDP again; or plug in only "
-                "the tasks you have finished: --student with some of 2.1a,2.2,2.5 (e.g. --student 2.5).") from e
+                f"Finish it (the text and hints: {text}), grade it alone with `{grader}`, then run it inside "
+                "FSDP again; or plug in only the tasks you have finished: --student with those of 2.1a,2.2,2.5, "
+                "comma-separated.") from e
         except StudentError:
             raise
         except Exception as e:
