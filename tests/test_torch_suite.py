@@ -39,9 +39,10 @@ def test_table_from_a_tiny_report():
 
 
 def test_runner_catches_planted_faults():
-    ids = ["wrong_param", "crash_ours", "fine"]
+    ids = ["wrong_param", "crash_ours", "forgot_wait", "fine"]
     res = H._run("tests.torch_suite._selftest", ids, 2)
-    assert len(res) == 3
+    assert len(res) == 4
+    assert res["forgot_wait"]["torch"] is None and "vs DDP" in res["forgot_wait"]["ours"]
     assert res["wrong_param"]["torch"] is None and "vs DDP" in res["wrong_param"]["ours"]
     assert res["crash_ours"]["torch"] is None and "died" in res["crash_ours"]["ours"]
     assert res["fine"]["torch"] is None and res["fine"]["ours"] is None

@@ -4,6 +4,8 @@
   parity with DDP must fail on our side only;
 - ``case_crash_ours``: our side kills its process (SIGSEGV); the runner must blame ours, keep torch's
   result, and still run the case after it;
+- ``case_forgot_wait``: ours' ring reductions land late (``test_delays.py``) and their handles claim to be
+  done at once, so ours steps with gradients not yet written: the delays port must fail on our side;
 - ``case_fine``: passes on both sides.
 """
 
@@ -11,6 +13,7 @@ import os
 import signal
 
 import torch
+from torch.distributed.fsdp import ShardingStrategy
 from torch.testing._internal.common_fsdp import NestedWrappedModule
 
 from tests.torch_suite import _workers as W
@@ -43,10 +46,16 @@ def case_crash_ours(api):
         os.kill(os.getpid(), signal.SIGSEGV)
 
 
+def case_forgot_wait(api):
+    from tests.torch_suite.test_delays import case_late_ring_reductions
+
+    case_late_ring_reductions(api, ShardingStrategy.FULL_SHARD, forget_wait=True)
+
+
 def case_fine(api):
     W.ddp_parity(api, NestedWrappedModule, {})
 
 
 CASES = W.Cases()
-for _fn in (case_wrong_param, case_crash_ours, case_fine):
+for _fn in (case_wrong_param, case_crash_ours, case_forgot_wait, case_fine):
     CASES.add(_fn)

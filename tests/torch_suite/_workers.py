@@ -80,6 +80,20 @@ class Side:
             return [p.detach().clone() for p in model.parameters()]
 
 
+class _FSDP1OnCPU(tfsdp.FullyShardedDataParallel):
+    """torch FSDP1 with ``device_id`` defaulting to the CPU (a subclass, so torch's isinstance checks hold)."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("device_id", CPU)
+        super().__init__(*args, **kw)
+
+
+def fsdp1_defaults_to_cpu():
+    """torch's side, for MixtureOfExperts: it wraps its inner NestedWrappedModule's layers without the
+    caller's kwargs, and FSDP1 on a CPU-only machine refuses to start without ``device_id``."""
+    return mock.patch.object(cf, "FSDP", _FSDP1OnCPU)
+
+
 def local_model(model_cls, **init_kw):
     """torch's model without FSDP (the reference's starting point), same seed as :meth:`Side.init`."""
     return model_cls.init(dist.group.WORLD, FSDPInitMode.NO_FSDP, DEVICEInitMode.DEVICE_BEFORE,

@@ -5,13 +5,16 @@ What torch's file checks, and how here:
   round trip through zeroed parameters each step) for NestedWrappedModule (3 strategies x backward
   prefetch None/PRE/POST x forward prefetch x use_orig_params), the always-wrap variant,
   TransformerWithSharedParams (tied weights, buffers, BatchNorm), MixtureOfExperts (experts on a
-  1-rank group; the reference is torch's DummyDDP with the model's own gradient all-reduce), and the
-  delayed variants (the delays are CUDA sleeps, so on CPU they exercise the same path undelayed);
+  1-rank group; the reference is torch's DummyDDP with the model's own gradient all-reduce; torch's
+  side gets ``device_id`` by default there, see ``_workers.fsdp1_defaults_to_cpu``), and the delayed
+  variants (the delays are CUDA sleeps, so here they run undelayed; ``test_delays.py`` makes them real);
 - one mixed-precision iteration (fp16 params, reductions, buffers): loss and parameters against torch FSDP1;
 - a parameter changed in place after wrapping shows in the next forward;
 - eval under ``torch.no_grad()`` gives the output of eval with autograd on.
 Oracle: DDP (torch's); tolerance: assert_close's fp32 defaults (see ``_workers.ddp_parity``).
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -40,7 +43,9 @@ def case_ddp_parity(api, model, strategy, prefetch=BackwardPrefetch.BACKWARD_PRE
               use_orig_params=orig)
     init_kw = {"delay_after_loss": {"delay_after_loss_ms": 250},
                "delay_before_reduction": {"delay_before_reduction_ms": 250}}.get(model, {})
-    W.ddp_parity(api, MODELS[model], kw, ref_wrap=DummyDDP if model == "moe" else None, init_kw=init_kw)
+    on_cpu = W.fsdp1_defaults_to_cpu() if (model == "moe" and not api.ours) else contextlib.nullcontext()
+    with on_cpu:
+        W.ddp_parity(api, MODELS[model], kw, ref_wrap=DummyDDP if model == "moe" else None, init_kw=init_kw)
 
 
 def case_mixed_precision_one_step(api, model, strategy, orig=False):
