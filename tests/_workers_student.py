@@ -2,13 +2,17 @@
 
 ``--student 2.2=tests._workers_student``: a ring reduce-scatter that forgets its last step
 (the all-gather and all-reduce are minifsdp's own, right ones, so only 2.2a is to blame);
-``--student 2.5=tests._workers_student``: a prefetch order read the wrong way round.
+``--student 2.5=tests._workers_student``: a prefetch order read the wrong way round;
+``--student 2.1a=tests._workers_student``: an unflatten that hands two same-shaped views out in
+swapped order (flatten_and_shard is minifsdp's own, right one).
 """
 
 import torch
 import torch.distributed as dist
 
 from minifsdp.comm.collectives import ring_all_gather, ring_all_reduce  # noqa: F401  (the right ones)
+from minifsdp.fsdp.reference_ops import flatten_and_shard  # noqa: F401  (the right one)
+from minifsdp.fsdp.reference_ops import unflatten as _right_unflatten
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
@@ -33,3 +37,11 @@ def prefetch_target(pre_forward: list, post_forward: list, unit, mode: str):
         return None
     i = order.index(unit) + 1
     return order[i] if i < len(order) else None
+
+
+def unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Task 2.1a (ii) with a bug: the first two neighbours of equal shape (a LayerNorm's weight and bias) swapped."""
+    views = _right_unflatten(flat, shapes)
+    i = next(i for i in range(len(shapes) - 1) if shapes[i] == shapes[i + 1])
+    views[i], views[i + 1] = views[i + 1], views[i]
+    return views

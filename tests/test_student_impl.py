@@ -8,6 +8,8 @@ is one CLI run (2 ranks, 3 steps of the tiny GPT), run once for the module:
   plugged function was really called by FSDP (call counts), so the pass is not vacuous;
 * a ring reduce-scatter that forgets its last step fails at step 1 (gradient norm),
   and only ring_reduce_scatter is named (its all-gather is right and is not blamed);
+* an unflatten that swaps two same-shaped views (a LayerNorm's weight and bias) changes
+  step 1's loss, so FSDP really computes with the student's views; only unflatten is named;
 * a prefetch order read the wrong way leaves the losses equal (a prefetch never changes
   numbers) and still fails, naming prefetch_target: the call-by-call watch catches it;
 * the bare stubs stop the run with the task to finish (2.1a's flatten_and_shard runs first).
@@ -25,6 +27,7 @@ from minifsdp.tools.train_checks import JobError
 CASES = {
     "reference": ["--student", "reference"],
     "wrong_ring": ["--student", "2.2=tests._workers_student"],
+    "wrong_views": ["--student", "2.1a=tests._workers_student"],
     "wrong_prefetch": ["--student", "2.5=tests._workers_student"],
     "stubs": [],
 }
@@ -68,6 +71,15 @@ def test_a_ring_that_forgets_a_step_is_caught_and_named(runs):
     assert "ring_all_gather" not in wrong, text
     rows = _rows(text)
     assert rows[0][1] == rows[0][2] and rows[0][5] == "NO", text  # step 1's loss is before any update
+
+
+@pytest.mark.timeout(240)
+def test_swapped_views_from_unflatten_are_used_and_named(runs):
+    rc, text = runs["wrong_views"]
+    assert rc == 1, text
+    assert "FAIL at step 1: the loss differs" in text, text
+    wrong = text.split("first wrong answer")[1]
+    assert "unflatten (Task 2.1a" in wrong and "flatten_and_shard" not in wrong, text
 
 
 @pytest.mark.timeout(240)
