@@ -1,5 +1,8 @@
 """The three trainers behind ``python -m minifsdp train --impl``: wrap, clip, scale, checkpoint.
 
+(``--impl student`` is a fourth choice but no fourth trainer: it builds ours twice and plugs a
+student's exercise functions into the second; ``student.py`` runs and compares the two.)
+
 The job (``train.py``) runs one loop; everything that differs between our FSDP and
 torch's lives here, one small function per difference:
 
