@@ -27,6 +27,10 @@ def _wrap(kind: str, model: torch.nn.Module):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        if kind == "FSDP2_DEFAULT":  # fully_shard's defaults: blocks reshard after forward, the root does not
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            return fully_shard(model, mesh=mesh)
         reshard = kind == "FSDP2_FULL_SHARD"
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
