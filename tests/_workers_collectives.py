@@ -234,6 +234,19 @@ def _check_errors(fails):
     C.ring_all_reduce(after)
     if not torch.equal(after, torch.full((5,), float(n))):
         fails.append("after a mismatch error the next all-reduce is wrong")
+    # Two ranks: a small all-reduce travels inside the header message (ring.py, Note (doorbell)); a
+    # mismatch there, or one rank small and the other too big to carry, must raise on both ranks too.
+    pair = dist.new_group([0, 1])
+    if me in (0, 1):
+        big = C.CARRY_BYTES // 4 + 1  # float32 elements: one more than a header message may carry
+        for what, numel in (("small sizes differ", 11 if me else 10), ("small vs too big to carry", big if me else 10)):
+            _expect_error(fails, f"2 ranks, {what}", ValueError, "different tensors",
+                          lambda k=numel: C.ring_all_reduce(torch.ones(k), group=pair))
+        for numel in (10, big):  # and both paths still give the sum afterwards
+            x = torch.full((numel,), float(me + 1))
+            C.ring_all_reduce(x, group=pair)
+            if not torch.equal(x, torch.full((numel,), 3.0)):
+                fails.append(f"2 ranks, {numel} elements: after the mismatch errors the sum is wrong")
 
 
 def _check_facade(fails):

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.comm.ring import (
+    CARRY_BYTES,
     DTYPES,
     OPS,
     ByteStats,
@@ -59,16 +60,16 @@ from minifsdp.comm.ring import (
     active_stats,
     agree_on_header,
     all_gather_in_place,
+    all_reduce_in_place,
     chunk_bounds,
     count_bytes,
     reduce_scatter_chunks,
-    reduce_scatter_in_place,
 )
 from minifsdp.comm.stream import Work, stream_for
 
 __all__ = [
     "naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
-    "chunk_bounds", "count_bytes", "ByteStats", "get_collectives", "Work",
+    "chunk_bounds", "count_bytes", "ByteStats", "get_collectives", "Work", "CARRY_BYTES",
 ]
 
 
@@ -140,13 +141,10 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
     group, op = _check_ready("ring_all_reduce", group, {"tensor": tensor}, op)
 
     def job(ring: Ring) -> None:
-        agree_on_header(ring, "all_reduce", tensor, op)
-        flat, n = tensor.view(-1), ring.size
-        bounds = chunk_bounds(flat.numel(), n)
-        reduce_scatter_in_place(ring, flat, bounds)
-        if op == "avg":  # divide once, on the chunk this rank owns, so every rank gets the same bits
-            flat[slice(*bounds[ring.rank])].div_(n)
-        all_gather_in_place(ring, flat, bounds)
+        flat = tensor.view(-1)
+        small = ring.size == 2 and flat.numel() * flat.element_size() <= CARRY_BYTES
+        received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat if small else None)
+        all_reduce_in_place(ring, flat, op, received=received)
 
     return _run("ring_all_reduce", group, job, async_op)
 

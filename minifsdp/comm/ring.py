@@ -35,11 +35,36 @@ send/recv over TCP is a rendezvous -- a send whose receive is not posted yet
 only announces itself ("send ready"), and the bytes leave after the receiver
 answers "recv ready".  A receive posted early turns that into one trip.
 
-Note (same shapes everywhere): before moving data, every rank sends a tiny
+Note (same shapes everywhere): before moving data, every rank sends a small
 header (collective, element count, dtype, op) to every other rank and compares;
 if any rank differs, *every* rank raises the same ``ValueError`` listing all
 ranks.  Without it gloo would abort the process on a size mismatch or hang.
-It costs one round trip of N-1 tiny messages (not counted by ``count_bytes``).
+Header bytes are control traffic, not counted by ``count_bytes``.
+
+Note (doorbell: the header receive is posted one collective early): gloo's
+send/recv is a rendezvous, and on a loaded 2-core machine a receive posted
+*while* the other rank's message arrives can cost a whole scheduler tick (4 ms,
+measured: gloo's event thread spins on the connection's lock while our thread,
+holding it, waits to be scheduled again).  A receive posted long before the
+message comes is the fast path (~0.1 ms).  Headers have a fixed *capacity*
+(gloo accepts a message shorter than the receive buffer, never a longer one),
+so each rank keeps one header receive per peer always posted: the one for the
+next collective is posted as soon as this one's header is read.  They use their
+own tag (``HEADER_TAG``), so they never catch anyone's data, and live in the
+group's comm-stream workspace (one per group: two sets on one group would
+steal each other's headers).
+
+Note (two ranks: swap and add): with N=2 the ring is one exchange per phase.
+Sending the whole tensor once and adding moves the same bytes (S = 2(N-1)/N x S)
+in one round trip; a tensor of at most ``CARRY_BYTES`` even rides inside the
+header message (``carry``), so a small all-reduce is *one* message each way,
+into a receive posted long before.  A mismatch still raises on both ranks: both
+read both headers before anyone uses the data.  ``a + b == b + a`` bitwise,
+so both ranks hold the same bits.
+
+Note (pipelined pieces): a chunk larger than ``PIECE_BYTES`` moves as up to
+``MAX_PIECES`` pieces; a rank adds (or forwards) piece j while piece j+1 is
+still on the wire.  Receives are posted before the sends that feed them.
 """
 
 from __future__ import annotations
@@ -52,13 +77,19 @@ import torch.distributed as dist
 
 __all__ = [
     "chunk_bounds", "reduce_scatter_chunks", "all_gather_chunks", "ByteStats", "count_bytes", "active_stats",
-    "Ring", "all_gather_in_place", "reduce_scatter_in_place", "agree_on_header",
+    "Ring", "all_gather_in_place", "reduce_scatter_in_place", "all_reduce_in_place", "agree_on_header",
 ]
 
 OPS = {"sum": "sum", "avg": "avg"}
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce"]
+PIECE_BYTES = 1 << 20  # pipelined ring: each chunk moves in pieces of about this size ...
+MAX_PIECES = 16
+HEADER_TAG = 0x6D66  # the tag of header messages ("mf"): never matches anyone's data sends (tag 0)
+HEADER_BYTES = 64  # 8 int64: kind, numel, dtype, op, extra, carried numel, 2 spare
+CARRY_BYTES = 128 << 10  # 2 ranks: an all-reduce up to this size travels in the header message
+DOORBELL_BYTES = HEADER_BYTES + CARRY_BYTES  # a header receive accepts any message up to this size
 
 
 def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -181,84 +212,183 @@ class Ring:
         self.exchange(send, self.rank + 1, recv, self.rank - 1)
 
 
-def all_gather_in_place(ring: Ring, flat: torch.Tensor, bounds) -> None:
+def pieces_of(bounds, piece_bytes: int, itemsize: int) -> int:
+    """How many pieces each chunk is cut into for the pipelined ring (the same for every chunk and rank).
+
+    Every rank computes it from the chunk bounds alone (chunk 0 is the longest), so sender and
+    receiver always cut a chunk the same way.
+    """
+    width = bounds[0][1] - bounds[0][0]
+    return max(1, min(MAX_PIECES, -(-width * itemsize // piece_bytes)))
+
+
+def _pieces(flat: torch.Tensor, bounds, c: int, k: int) -> list[torch.Tensor]:
+    """Chunk ``c`` of ``flat`` cut into ``k`` pieces (the first ones one element longer; some may be empty)."""
+    start, stop = bounds[c]
+    return [flat[start + a : start + b] for a, b in chunk_bounds(stop - start, k)]
+
+
+def all_gather_in_place(ring: Ring, flat: torch.Tensor, bounds, piece_bytes: int = 0) -> None:
     """Ring all-gather on ``flat``: rank r's chunk r is already in place; afterwards every chunk is.
 
-    Every chunk received lands in its own place in ``flat``, so all N-1 receives are posted
-    up front; then each step forwards the chunk that arrived in the step before.
+    Every piece received lands in its own place in ``flat``, so all receives are posted up
+    front, in the order the previous rank sends them; then each piece is forwarded as soon as it
+    has arrived (pipelined: piece j+1 is still on the wire while piece j is forwarded).
     """
     n, r = ring.size, ring.rank
-
-    def chunk(c: int) -> torch.Tensor:
-        return flat[slice(*bounds[c])]
-
-    prev, next = r - 1, r + 1
-    receiving = [ring.irecv(chunk(all_gather_chunks(r, n, s)[1]), prev) for s in range(n - 1)]
-    sending = []
+    if n == 1:
+        return
+    k = pieces_of(bounds, piece_bytes or PIECE_BYTES, flat.element_size())
+    inbox = [_pieces(flat, bounds, all_gather_chunks(r, n, s)[1], k) for s in range(n - 1)]
+    receiving = [[ring.irecv(p, r - 1) for p in step] for step in inbox]
+    sending = [ring.isend(p, r + 1) for p in _pieces(flat, bounds, r, k)]
     for s in range(n - 1):
-        if s > 0:
-            receiving[s - 1].wait()  # the chunk to forward now is the one received at step s-1
-        sending.append(ring.isend(chunk(all_gather_chunks(r, n, s)[0]), next))
-    for work in receiving[-1:] + sending:
+        for j, piece in enumerate(inbox[s]):
+            receiving[s][j].wait()
+            if s + 1 < n - 1:  # what arrived at step s is what we send at step s+1
+                sending.append(ring.isend(piece, r + 1))
+    for work in sending:
         work.wait()
 
 
-def reduce_scatter_in_place(ring: Ring, flat: torch.Tensor, bounds) -> None:
+def reduce_scatter_in_place(ring: Ring, flat: torch.Tensor, bounds, piece_bytes: int = 0) -> None:
     """Ring reduce-scatter on ``flat``: afterwards chunk r of rank r holds the sum over ranks.
 
-    Receives go to two scratch halves used in turn, so the receive of step s+1 is already
-    posted while we add the chunk of step s; that sum is what we send at step s+1.
+    Receives go to two scratch halves used in turn, so the receives of step s+1 are already
+    posted while we add the pieces of step s; each piece is forwarded as soon as it is added
+    (pipelined: the next piece is on the wire while we add this one).
     """
     n, r = ring.size, ring.rank
     if n == 1:
         return
     width = bounds[0][1] - bounds[0][0]  # chunk 0 is never shorter than the others
-    scratch = ring.scratch(2 * width, flat)
-    inbox = [scratch[:width], scratch[width:]]
+    k = pieces_of(bounds, piece_bytes or PIECE_BYTES, flat.element_size())
+    halves = [ring.scratch(2 * width, flat)[i * width : (i + 1) * width] for i in range(2)]
 
-    def chunk(c: int) -> torch.Tensor:
-        return flat[slice(*bounds[c])]
+    def post_receives(s: int) -> list[tuple]:
+        """(work, where it lands, the piece of flat to add it into) for each piece of step ``s``."""
+        into = _pieces(flat, bounds, reduce_scatter_chunks(r, n, s)[1], k)
+        inbox = halves[s % 2][: sum(p.numel() for p in into)].split([p.numel() for p in into])
+        return [(ring.irecv(box, r - 1), box, piece) for box, piece in zip(inbox, into)]
 
-    def post_receive(s: int):
-        size = chunk(reduce_scatter_chunks(r, n, s)[1]).numel()
-        return ring.irecv(inbox[s % 2][:size], r - 1)
-
-    receiving = post_receive(0)
-    sending = ring.isend(chunk(reduce_scatter_chunks(r, n, 0)[0]), r + 1)
+    receiving = post_receives(0)
+    sending = [ring.isend(p, r + 1) for p in _pieces(flat, bounds, reduce_scatter_chunks(r, n, 0)[0], k)]
     for s in range(n - 1):
-        recv_c = reduce_scatter_chunks(r, n, s)[1]
-        receiving.wait()
-        if s + 1 < n - 1:  # the other half is free again: its data was added at step s-1
-            receiving = post_receive(s + 1)
-        into = chunk(recv_c)
-        into.add_(inbox[s % 2][: into.numel()])
-        sending.wait()
-        if s + 1 < n - 1:
-            sending = ring.isend(into, r + 1)  # step s+1 forwards the chunk we just added into
+        coming = post_receives(s + 1) if s + 1 < n - 1 else []  # the half used at step s-1 is free
+        for work, box, piece in receiving:
+            work.wait()
+            piece.add_(box)
+            if coming:  # step s+1 forwards the piece we just added into
+                sending.append(ring.isend(piece, r + 1))
+        receiving = coming
+    for work in sending:
+        work.wait()
 
 
-def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra: int = 0) -> None:
+def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_bytes: int = 0,
+                        received: torch.Tensor | None = None) -> None:
+    """Ring all-reduce of the 1-D ``flat`` (in place): a reduce-scatter then an all-gather; 2 ranks swap and add.
+
+    Note (two ranks): with N=2 the ring is one exchange each way per phase: send the half the
+    other rank owns, add the half it sends; then send back the summed half.  Swapping the *whole*
+    tensor once and adding sends the same bytes (S = 2(N-1)/N x S) in one round trip instead of
+    two, and both ranks compute ``a + b`` in the same order of operands for every element
+    (addition is commutative bitwise), so every rank holds the same bits, as the ring guarantees.
+    """
+    n = ring.size
+    if n == 2 and received is not None:  # the other rank's tensor came with its header
+        flat.add_(received)
+        if op == "avg":
+            flat.div_(n)
+        return
+    if n == 2:
+        _swap_and_add(ring, flat, piece_bytes or PIECE_BYTES)
+        if op == "avg":
+            flat.div_(n)
+        return
+    bounds = chunk_bounds(flat.numel(), n)
+    reduce_scatter_in_place(ring, flat, bounds, piece_bytes)
+    if op == "avg" and n > 1:  # divide once, on the chunk this rank owns, so every rank gets the same bits
+        flat[slice(*bounds[ring.rank])].div_(n)
+    all_gather_in_place(ring, flat, bounds, piece_bytes)
+
+
+def _swap_and_add(ring: Ring, flat: torch.Tensor, piece_bytes: int) -> None:
+    """N=2: send all of ``flat`` to the other rank while receiving all of its tensor, and add, piece by piece."""
+    k = max(1, min(MAX_PIECES, -(-flat.numel() * flat.element_size() // piece_bytes)))
+    sizes = [b - a for a, b in chunk_bounds(flat.numel(), k)]
+    mine, theirs = flat.split(sizes), ring.scratch(flat.numel(), flat).split(sizes)
+    other = ring.rank + 1
+    receiving = [ring.irecv(t, other) for t in theirs]
+    sending = [ring.isend(m, other) for m in mine]
+    for m, t, sent, received in zip(mine, theirs, sending, receiving):
+        sent.wait()  # piece m is still being read by the send: add into it only once that is done
+        received.wait()
+        m.add_(t)
+
+
+def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra: int = 0,
+                    carry: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every rank tells every other rank (collective, numel, dtype, op, extra); all check they agree.
 
     Not a ring: for 5 numbers latency is all that matters, so each rank sends its row
     straight to each other rank, all at once: one round trip instead of N-1 ring steps.
-    Control traffic: its bytes are not counted by ``count_bytes`` (that counts the data).
+    Control traffic: the header's bytes are not counted by ``count_bytes`` (that counts the data).
+
+    ``carry`` (2 ranks only, at most ``DOORBELL_BYTES - HEADER_BYTES`` bytes): data sent to the other
+    rank in the same message as the header; returns what the other rank carried, once the headers
+    agree (its bytes are counted, as data).  See the Note (doorbell) at the top of this module.
     """
-    mine = [KINDS.index(kind), tensor.numel(), DTYPES.index(tensor.dtype), list(OPS).index(op), extra]
-    table = torch.zeros(ring.size, len(mine), dtype=torch.int64, device=tensor.device)
-    table[ring.rank] = torch.tensor(mine)
-    quiet = Ring(ring.group, stats=())
+    mine = [KINDS.index(kind), tensor.numel(), DTYPES.index(tensor.dtype), list(OPS).index(op), extra,
+            0 if carry is None else carry.numel()]
     others = [i for i in range(ring.size) if i != ring.rank]
-    works = [quiet.irecv(table[i], i) for i in others] + [quiet.isend(table[ring.rank], i) for i in others]
-    for work in works:
+    bells = _doorbells(ring, others)
+    out = ring.workspace.get("bell_out")
+    if out is None:
+        out = ring.workspace["bell_out"] = torch.empty(DOORBELL_BYTES, dtype=torch.uint8)
+    nbytes = HEADER_BYTES + (0 if carry is None else carry.numel() * carry.element_size())
+    out[:HEADER_BYTES].view(torch.int64)[: len(mine)] = torch.tensor(mine)
+    if carry is not None:
+        out[HEADER_BYTES:nbytes] = carry.view(-1).view(torch.uint8)
+    sending = [dist.isend(out[:nbytes], ring.global_rank(i), group=ring.group, tag=HEADER_TAG) for i in others]
+    rows = {ring.rank: mine}
+    for i in others:
+        work, buf = bells.pop(i)
         work.wait()
-    rows = table.tolist()
-    if any(row != rows[0] for row in rows):
+        rows[i] = buf[:HEADER_BYTES].view(torch.int64)[: len(mine)].tolist()
+        bells[i] = buf  # re-posted below, once its contents are read
+    for work in sending:
+        work.wait()
+    received = None
+    if carry is not None and all(rows[i] == mine for i in others):
+        received = ring.scratch(carry.numel(), carry)
+        received.view(torch.uint8).copy_(bells[others[0]][HEADER_BYTES:nbytes])
+        for s in ring.stats:
+            s.sent += carry.numel() * carry.element_size()
+            s.received += carry.numel() * carry.element_size()
+            s.messages += 1
+    for i in others:  # the doorbells for the next collective, posted long before anyone rings them
+        bells[i] = (dist.irecv(bells[i], ring.global_rank(i), group=ring.group, tag=HEADER_TAG), bells[i])
+    table = [rows[i] for i in range(ring.size)]
+    if any(row[:5] != table[0][:5] for row in table):
         lines = [
             f"  rank {i}: {KINDS[k]}, {numel} elements of {DTYPES[d]}, op={list(OPS)[o]}, root={e}"
-            for i, (k, numel, d, o, e) in enumerate(rows)
+            for i, (k, numel, d, o, e, _) in enumerate(table)
         ]
         raise ValueError(
             f"{kind}: the ranks called different collectives or passed different tensors:\n" + "\n".join(lines)
             + "\nEvery rank must call the same collective with a tensor of the same size and dtype, and the same op."
         )
+    if any(row != table[0] for row in table):  # same tensors, yet one rank carried data and another not
+        raise RuntimeError(f"{kind}: internal error, ranks disagree on carrying data in the header: {table}")
+    return received
+
+
+def _doorbells(ring: Ring, others: list[int]) -> dict:
+    """{group rank: (receive work, its buffer)}: the header receives posted for this collective."""
+    bells = ring.workspace.setdefault("doorbells", {})
+    for i in others:
+        if i not in bells:  # the first collective on this group: post them now
+            buf = torch.empty(DOORBELL_BYTES, dtype=torch.uint8)
+            bells[i] = (dist.irecv(buf, ring.global_rank(i), group=ring.group, tag=HEADER_TAG), buf)
+    return bells

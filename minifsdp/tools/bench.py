@@ -13,6 +13,13 @@ ring all-reduce, per second.  It makes different N comparable; for a bandwidth-b
 it is the link speed.  We print the ratio ours / gloo (a ratio measured in one run, on one
 machine, the same minute: the only kind of performance claim the book makes).
 
+Two regimes, reported apart: *latency* (messages up to 64 KB: time per call, in microseconds)
+and *bus bandwidth* (from 1 MB: GB/s).  Then, per implementation and world size, the
+latency-bandwidth model ``t = alpha + beta x bytes`` fitted by least squares on all sizes
+(:mod:`minifsdp.tools.bench_fit`): alpha is the fixed cost per call, 1/beta the bandwidth.
+With ``--json`` the plot (time against size, log-log, points and fitted lines) is saved next
+to the JSON file, as ``<name>.png``.
+
 Note: on a laptop every "link" is the loopback interface and every rank shares the same
 few cores, so absolute numbers say little; the ratio is the figure of merit.
 """
@@ -30,10 +37,14 @@ import torch.distributed as dist
 
 from minifsdp.comm.collectives import ring_all_reduce
 from minifsdp.launch import spawn
+from minifsdp.tools.bench_fit import AlphaBeta, fit_alpha_beta
 
-__all__ = ["run_collectives_bench", "bench_sizes", "bus_bandwidth"]
+__all__ = ["run_collectives_bench", "bench_sizes", "bus_bandwidth", "fit_rows", "format_latency_bandwidth"]
 
 KB = 1024
+LATENCY_MAX = 64 * KB  # up to here a message is latency-bound on loopback: report microseconds
+BANDWIDTH_MIN = KB * KB  # from here: report bus bandwidth
+IMPLS = ("ours", "gloo")
 
 
 def bench_sizes(max_mb: float) -> list[int]:
@@ -126,15 +137,76 @@ def run_collectives_bench(args) -> int:
         print(f"world size {n}: {len(sizes)} sizes from {_human(sizes[0])} to {_human(sizes[-1])} ...", flush=True)
         rows += spawn(_bench_rank, args=(sizes,), world_size=n, timeout_s=600, threads_per_rank=1)[0]
     print(format_table(rows))
+    fits = fit_rows(rows)
+    print(format_latency_bandwidth(rows, fits))
     big = [r["ratio_ours_over_gloo"] for r in rows if r["bytes"] >= 4 * KB * KB]
     if big:
         print(f"ours / gloo bus bandwidth from 4 MB up: min {min(big):.2f}, median {statistics.median(big):.2f}")
     print(f"({time.perf_counter() - started:.0f} s; ratio > 1 means ours is faster; "
           f"load average {load_average():.1f} on {os.cpu_count()} CPUs: other work on the machine makes times noisy)")
     if args.json:
-        write_bench_json(args.json, rows, threads_per_rank=1)
+        fit_meta = {f"{impl}@{n}": {"alpha_s": f.alpha, "beta_s_per_byte": f.beta, "rms_relative_error":
+                                    f.rms_relative_error} for (impl, n), f in fits.items()}
+        write_bench_json(args.json, rows, threads_per_rank=1, alpha_beta=fit_meta)
         print(f"wrote {args.json}")
+        png = os.path.splitext(args.json)[0] + ".png"
+        plot_collectives(rows, fits, png)
+        print(f"saved {png}")
     return 0
+
+
+def fit_rows(rows: list[dict]) -> dict[tuple[str, int], AlphaBeta]:
+    """{(implementation, world size): alpha-beta fit of its median times over every size}."""
+    fits = {}
+    for n in sorted({r["world_size"] for r in rows}):
+        mine = [r for r in rows if r["world_size"] == n]
+        if len({r["bytes"] for r in mine}) < 2:
+            continue
+        for impl in IMPLS:
+            fits[(impl, n)] = fit_alpha_beta([r["bytes"] for r in mine], [r[f"{impl}_s"] for r in mine])
+    return fits
+
+
+def format_latency_bandwidth(rows: list[dict], fits: dict[tuple[str, int], AlphaBeta]) -> str:
+    """Latency (small sizes, us) and bus bandwidth (large sizes, GB/s) apart, then the fits."""
+    lines = [f"latency (up to {_human(LATENCY_MAX)}): us per all-reduce, ours vs gloo"]
+    for r in rows:
+        if r["bytes"] <= LATENCY_MAX:
+            lines.append(f"  N={r['world_size']} {_human(r['bytes']):>7}: ours {r['ours_s'] * 1e6:8.0f}  "
+                         f"gloo {r['gloo_s'] * 1e6:8.0f}  speed ours/gloo {r['ratio_ours_over_gloo']:.2f}")
+    lines.append(f"bus bandwidth (from {_human(BANDWIDTH_MIN)}): GB/s, ours vs gloo")
+    for r in rows:
+        if r["bytes"] >= BANDWIDTH_MIN:
+            lines.append(f"  N={r['world_size']} {_human(r['bytes']):>7}: ours {r['ours_busbw_GBps']:7.3f}  "
+                         f"gloo {r['gloo_busbw_GBps']:7.3f}  speed ours/gloo {r['ratio_ours_over_gloo']:.2f}")
+    lines.append("alpha-beta fit, t = alpha + beta x bytes (least squares on relative error, every size):")
+    for (impl, n), f in fits.items():
+        lines.append(f"  N={n} {impl:>4}: {f.describe()}")
+    return "\n".join(lines)
+
+
+def plot_collectives(rows: list[dict], fits: dict[tuple[str, int], AlphaBeta], path: str) -> None:
+    """Time per all-reduce against message size (log-log): measured points and the fitted lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (impl, n), f in fits.items():
+        mine = [r for r in rows if r["world_size"] == n]
+        xs = [r["bytes"] for r in mine]
+        line = ax.loglog(xs, [r[f"{impl}_s"] for r in mine], "o" if impl == "ours" else "s",
+                         label=f"{impl}, N={n}")[0]
+        ax.loglog(xs, [f.predict(b) for b in xs], "-", color=line.get_color(), alpha=0.6,
+                  label=f"fit: {f.alpha * 1e6:.0f} us + b / {f.bandwidth / 1e9:.2f} GB/s")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("time per all-reduce (s)")
+    ax.set_title("ring all-reduce (ours) vs gloo: alpha-beta fit")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def load_average() -> float:
