@@ -7,6 +7,8 @@ the side that crashed and cost one case only), and the table built from a tiny J
 """
 
 import json
+import re
+from pathlib import Path
 
 from minifsdp.tools import torch_suite as T
 from tests.torch_suite import _harness as H
@@ -57,3 +59,17 @@ def test_fast_slice_through_the_command(tmp_path):
     failed = [(c["group"], c["case"], c["message"]) for c in cases if c["outcome"] == "failed"]
     assert not failed, failed
     assert s["overall"] == {"passed": 2, "total": 2, "torch_fails": 0}
+
+
+def test_chapter_2_quotes_the_committed_table():
+    """Chapter 2 states the port's count; it must be the one the committed run printed."""
+    root = Path(__file__).resolve().parents[1]
+    table = (root / "chapters" / "results" / "torch_suite.txt").read_text()
+    overall = re.search(r"^overall\s+(\d+) / (\d+)\s+(\d+)$", table, re.M)
+    assert overall, "chapters/results/torch_suite.txt has no 'overall' line"
+    passed, total, not_counted = overall.groups()
+    listed = [line for line in table.splitlines() if line.startswith("  ")]
+    assert len(listed) == int(not_counted), f"{len(listed)} not-counted cases listed, the table says {not_counted}"
+    chapter = (root / "chapters" / "02_fsdp_core.md").read_text()
+    assert f"passes {passed} of {total} cases" in chapter, "chapter 2's count is not the committed run's"
+    assert f"The {not_counted} cases that torch FSDP1 itself fails" in chapter
