@@ -6,8 +6,12 @@ nbval checks what the notebooks *print*; it never draws them.  This checks what 
   the empty boxes a machine without one shows), and every committed plot image decodes;
 * a widget works: notebook 02's ring slider, run in the browser's own kernel, redraws the ring when
   the slider moves;
-* a whole notebook runs in the browser's kernel, top to bottom, with no error output (chapter 5's: the
-  others take minutes each, and nbval already runs every one of them in a fresh kernel).
+* whole notebooks run in the browser's kernel (Run > Run All Cells), top to bottom: every code cell runs
+  once, in order, with no error output, read back from the file JupyterLab saves (the check is first
+  shown catching a planted ``raise``).  CI runs notebooks 01 and 05, the ones whose browser run takes
+  under ~90 s; 02, 03 and 04 take minutes each (nbval already runs every notebook in a fresh kernel) and
+  run only with ``MINIFSDP_BROWSER_ALL=1``.  Measured here, with all five run once (2 cores shared with
+  other jobs, load average about 7): 01 65 s, 02 288 s, 03 299 s, 04 155 s, 05 41 s, all passing.
 
 A screenshot of each notebook as opened is saved under ``out/browser/``.
 
@@ -45,6 +49,8 @@ if CHROMIUM is None:
 TOKEN = "minifsdp-browser-test"
 SHOTS = ROOT / "out" / "browser"
 LAB_HOME: list[Path] = []  # the lab fixture's folder: a notebook run in the browser is read back from it
+# The notebooks whose browser "Run All" CI runs: those under ~90 s on 2 cores (times in the docstring).
+RUN_ALL_IN_CI = {"01_parallel_training_overview", "05_fsdp_future"}
 
 # Draws two characters with the given CSS font on a canvas and says whether their pixels differ.  Two
 # different CJK characters drawn in a real CJK font differ; drawn without one, both become the same
@@ -69,10 +75,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on a free port, serving a copy of notebooks/; its URL."""
+    """A JupyterLab server on a free port, serving a copy of notebooks/ (chapters/ and tests/ linked); its URL."""
     home = tmp_path_factory.mktemp("lab")
     LAB_HOME[:] = [home]
     shutil.copytree(ROOT / "notebooks", home / "notebooks")
+    for folder in ("chapters", "tests"):  # read by notebooks 01 and 04, found beside notebooks/ as in a checkout
+        (home / folder).symlink_to(ROOT / folder, target_is_directory=True)
     port = _free_port()
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
                JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
@@ -178,12 +186,12 @@ def test_notebook_opens_with_its_chinese_heading_and_plots(page, lab, notebook):
     page.screenshot(path=str(SHOTS / f"{notebook.stem}.png"))
 
 
-@pytest.mark.timeout(420)
-def test_a_whole_notebook_runs_in_the_browser_without_an_error(page, lab):
-    """Run > Run All Cells on chapter 5's notebook, in JupyterLab's kernel; every code cell runs, none errs."""
-    panel = _open(page, lab, "05_fsdp_future.ipynb")
-    n_code = sum(c["cell_type"] == "code" for c in
-                 json.loads((ROOT / "notebooks" / "05_fsdp_future.ipynb").read_text())["cells"])
+def _run_all_and_read_back(page, lab, name: str, timeout_s: float) -> list[dict]:
+    """Clear, Run > Run All Cells, save; the code cells of the notebook as JupyterLab saved it.
+
+    What ran is read from the saved file, not from the page: the page shows only what it has drawn.
+    """
+    panel = _open(page, lab, name)
     prompts = "p => Array.from(p.querySelectorAll('.jp-CodeCell .jp-InputPrompt')).map(e => e.textContent.trim())"
     page.get_by_role("menuitem", name="Edit").click()  # the committed counts first, so a fresh run is seen
     page.get_by_role("menuitem", name=re.compile(r"Clear Outputs of All Cells|Clear All Outputs")).click()
@@ -195,10 +203,10 @@ def test_a_whole_notebook_runs_in_the_browser_without_an_error(page, lab):
     page.wait_for_function(
         f"""([p]) => {{ const ps = ({prompts})(p);
               return /^\\[\\d+\\]:$/.test(ps[0]) && !ps.some(t => t === '[*]:'); }}""",
-        arg=[panel.element_handle()], timeout=400_000)
-    saved = LAB_HOME[0] / "notebooks" / "05_fsdp_future.ipynb"
+        arg=[panel.element_handle()], timeout=timeout_s * 1000)
+    saved = LAB_HOME[0] / "notebooks" / name
     before = saved.stat().st_mtime_ns
-    page.get_by_role("menuitem", name="File").click()  # then read what ran from the saved file, not the page
+    page.get_by_role("menuitem", name="File").click()
     page.get_by_role("menuitem", name=re.compile(r"^Save Notebook")).first.click()
     for _ in range(150):
         if saved.stat().st_mtime_ns != before:
@@ -206,12 +214,51 @@ def test_a_whole_notebook_runs_in_the_browser_without_an_error(page, lab):
         page.wait_for_timeout(200)
     assert saved.stat().st_mtime_ns != before, "JupyterLab did not save the notebook it ran"
     page.wait_for_timeout(500)
-    cells = [c for c in json.loads(saved.read_text())["cells"] if c["cell_type"] == "code"]
-    assert len(cells) == n_code
-    errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert not errors, "error output in the browser run: " + "; ".join(f"{e['ename']}: {e['evalue']}" for e in errors)
+    return [c for c in json.loads(saved.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def _what_went_wrong(cells: list[dict], n_code: int) -> list[str]:
+    """Error outputs, and cells that did not run once each, in order, in this kernel."""
+    problems = [f"error output: {o['ename']}: {o['evalue']}" for c in cells for o in c.get("outputs", [])
+                if o.get("output_type") == "error"]
     counts = [c.get("execution_count") for c in cells]
-    assert counts == list(range(1, n_code + 1)), f"not every cell ran once, in order, in this kernel: {counts}"
+    if len(cells) != n_code or counts != list(range(1, n_code + 1)):
+        problems.append(f"not every cell ran once, in order, in this kernel: {counts}")
+    return problems
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_whole_notebook_runs_in_the_browser_without_an_error(page, lab, notebook):
+    """Run > Run All Cells in JupyterLab's kernel: every code cell runs once, in order, and none errs.
+
+    CI runs the notebooks in ``RUN_ALL_IN_CI``; the others only with ``MINIFSDP_BROWSER_ALL=1``.
+    """
+    if notebook.stem not in RUN_ALL_IN_CI and os.environ.get("MINIFSDP_BROWSER_ALL") != "1":
+        pytest.skip(f"{notebook.name} takes minutes to run in the browser (nbval runs it in CI); "
+                    "set MINIFSDP_BROWSER_ALL=1 to run it here")
+    n_code = sum(c["cell_type"] == "code" for c in json.loads(notebook.read_text())["cells"])
+    t0 = time.perf_counter()
+    cells = _run_all_and_read_back(page, lab, notebook.name, timeout_s=1400)
+    print(f"{notebook.name}: run all in the browser took {time.perf_counter() - t0:.0f} s")
+    problems = _what_went_wrong(cells, n_code)
+    assert not problems, f"{notebook.name} in the browser:\n" + "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+def test_the_run_all_check_catches_a_raise(page, lab):
+    """The instrument first: a notebook whose second cell raises fails the check, and its third never runs."""
+    planted = {"cells": [
+        {"cell_type": "markdown", "id": "h", "metadata": {}, "source": ["# planted (植入)"]},
+        {"cell_type": "code", "id": "a", "metadata": {}, "execution_count": None, "outputs": [], "source": ["x = 1"]},
+        {"cell_type": "code", "id": "b", "metadata": {}, "execution_count": None, "outputs": [],
+         "source": ["raise RuntimeError('planted')"]},
+        {"cell_type": "code", "id": "c", "metadata": {}, "execution_count": None, "outputs": [], "source": ["x"]}],
+        "metadata": json.loads(NOTEBOOKS[0].read_text())["metadata"], "nbformat": 4, "nbformat_minor": 5}
+    (LAB_HOME[0] / "notebooks" / "zz_planted.ipynb").write_text(json.dumps(planted))
+    problems = _what_went_wrong(_run_all_and_read_back(page, lab, "zz_planted.ipynb", timeout_s=120), 3)
+    assert "error output: RuntimeError: planted" in problems
+    assert any("not every cell ran" in p for p in problems), problems
 
 
 @pytest.mark.timeout(300)
