@@ -54,9 +54,9 @@ tracker.CATEGORIES``): the shards, Adam's state, the gathered (unsharded)
 parameters, the activations saved for backward, "other" (gradients being
 computed, comm buffers), and "made" = resident at the peak - census before:
 what the trainer made before the tracked step and still holds, not reachable
-from the model or optimizer (our ring's reusable receive buffers, the comm
-workspace, counted apart as "ring ws").  A second line per trainer names the
-categories where it differs from FSDP1 at their peaks.
+from the model or optimizer: our ring's buffers kept between collectives
+(scratch, header receives posted ahead), counted apart as "ring ws".  A second
+line per trainer names the categories where it differs from FSDP1 at their peaks.
 
 Every figure is printed as a ratio to torch FSDP1, measured in the same run
 (times in the same processes and minutes): the only kind of performance claim
@@ -70,6 +70,7 @@ the ratios are what to read, not the milliseconds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -208,10 +209,19 @@ def _spawn_with_env(env: dict[str, str], *args, **kwargs) -> list:
 
 
 def _ring_workspace_bytes() -> int:
-    """Bytes of the comm streams' reusable scratch buffers (``minifsdp.comm.stream``; 0 if none or no such table)."""
-    streams = list(getattr(comm_stream, "_STREAMS", {}).values())
-    return sum(t.untyped_storage().nbytes() for s in streams for t in getattr(s, "workspace", {}).values()
-               if isinstance(t, torch.Tensor))
+    """Bytes our comm streams keep between collectives (``minifsdp.comm``: the scratch workspace, the header
+    receives posted ahead), each storage once; 0 if there are none."""
+    found, todo = {}, [(getattr(s, "workspace", None), getattr(s, "doorbells", None))
+                       for s in list(getattr(comm_stream, "_STREAMS", {}).values())]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            found[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple, collections.deque)):
+            todo.extend(x)
+    return sum(found.values())
 
 
 def _memory_alone(name: str, cfg: GPTConfig, batch) -> dict:
@@ -290,7 +300,7 @@ def peak_breakdown(memory: dict) -> dict[str, int]:
 def format_breakdowns(rows: list[dict]) -> str:
     """Per trainer: its peak by category (MB); then where it differs from FSDP1's peak (same world size)."""
     lines = ["peak by category (MB; 'made': held outside the model and optimizer since before the step, "
-             "'ring ws': of it, the comm streams' scratch):"]
+             "'ring ws': of it, the ring's buffers kept between collectives):"]
     for r in rows:
         b = r["peak_breakdown"]
         parts = [f"{SHORT[c]} {b[c] / 2**20:.2f}" for c in SHORT if b[c]]
