@@ -48,11 +48,9 @@ measured: gloo's event thread spins on the connection's lock while our thread,
 holding it, waits to be scheduled again).  A receive posted long before the
 message comes is the fast path (~0.1 ms).  Headers have a fixed *capacity*
 (gloo accepts a message shorter than the receive buffer, never a longer one),
-so each rank keeps one header receive per peer always posted: the one for the
-next collective is posted as soon as this one's header is read.  They use their
-own tag (``HEADER_TAG``), so they never catch anyone's data, and live in the
-group's comm-stream workspace (one per group: two sets on one group would
-steal each other's headers).
+so each rank keeps a header receive per peer always posted: the next one is posted
+before this collective's header is sent.  Own tag (``HEADER_TAG``): they never
+catch data.  One set per group, kept by its comm stream (two would steal headers).
 
 Note (two ranks: swap and add): with N=2 the ring is one exchange per phase.
 Sending the whole tensor once and adding moves the same bytes (S = 2(N-1)/N x S)
@@ -69,6 +67,7 @@ still on the wire.  Receives are posted before the sends that feed them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass
 
@@ -85,7 +84,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce"]
 PIECE_BYTES = 1 << 20  # pipelined ring: each chunk moves in pieces of about this size ...
-MAX_PIECES = 16
+MAX_PIECES = 16  # ... but at most this many per chunk (every piece costs a few Python calls)
 HEADER_TAG = 0x6D66  # the tag of header messages ("mf"): never matches anyone's data sends (tag 0)
 HEADER_BYTES = 64  # 8 int64: kind, numel, dtype, op, extra, carried numel, 2 spare
 CARRY_BYTES = 128 << 10  # 2 ranks: an all-reduce up to this size travels in the header message
@@ -156,9 +155,11 @@ _NOTHING = _Nothing()
 class Ring:
     """This rank's seat in the ring of ``group``: its rank, neighbours, and byte counters."""
 
-    def __init__(self, group, stats: tuple[ByteStats, ...], workspace: dict | None = None):
+    def __init__(self, group, stats: tuple[ByteStats, ...], workspace: dict | None = None,
+                 doorbells: dict | None = None):
         self.group = group
-        self.workspace = {} if workspace is None else workspace
+        self.workspace = {} if workspace is None else workspace  # tensors only (bench fsdp sums them)
+        self.doorbells = {} if doorbells is None else doorbells
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.stats = stats
@@ -213,11 +214,7 @@ class Ring:
 
 
 def pieces_of(bounds, piece_bytes: int, itemsize: int) -> int:
-    """How many pieces each chunk is cut into for the pipelined ring (the same for every chunk and rank).
-
-    Every rank computes it from the chunk bounds alone (chunk 0 is the longest), so sender and
-    receiver always cut a chunk the same way.
-    """
+    """How many pieces each chunk is cut into: from chunk 0 (the longest) alone, so the same on every rank."""
     width = bounds[0][1] - bounds[0][0]
     return max(1, min(MAX_PIECES, -(-width * itemsize // piece_bytes)))
 
@@ -343,6 +340,8 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
             0 if carry is None else carry.numel()]
     others = [i for i in range(ring.size) if i != ring.rank]
     bells = _doorbells(ring, others)
+    for i in others:  # the next collective's header receive, posted before the peer can have sent it
+        bells[i]["posted"].append(_ring_doorbell(ring, i, bells[i]["free"].pop()))
     out = ring.workspace.get("bell_out")
     if out is None:
         out = ring.workspace["bell_out"] = torch.empty(DOORBELL_BYTES, dtype=torch.uint8)
@@ -351,26 +350,25 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
     if carry is not None:
         out[HEADER_BYTES:nbytes] = carry.view(-1).view(torch.uint8)
     sending = [dist.isend(out[:nbytes], ring.global_rank(i), group=ring.group, tag=HEADER_TAG) for i in others]
-    rows = {ring.rank: mine}
+    rows, got = {ring.rank: mine}, {}
     for i in others:
-        work, buf = bells.pop(i)
+        work, buf = bells[i]["posted"].popleft()
         work.wait()
-        rows[i] = buf[:HEADER_BYTES].view(torch.int64)[: len(mine)].tolist()
-        bells[i] = buf  # re-posted below, once its contents are read
+        rows[i], got[i] = buf[:HEADER_BYTES].view(torch.int64)[: len(mine)].tolist(), buf
     for work in sending:
         work.wait()
     received = None
     if carry is not None and all(rows[i] == mine for i in others):
         received = ring.scratch(carry.numel(), carry)
-        received.view(torch.uint8).copy_(bells[others[0]][HEADER_BYTES:nbytes])
+        received.view(torch.uint8).copy_(got[others[0]][HEADER_BYTES:nbytes])
         for s in ring.stats:
             s.sent += carry.numel() * carry.element_size()
             s.received += carry.numel() * carry.element_size()
             s.messages += 1
-    for i in others:  # the doorbells for the next collective, posted long before anyone rings them
-        bells[i] = (dist.irecv(bells[i], ring.global_rank(i), group=ring.group, tag=HEADER_TAG), bells[i])
+    for i in others:  # read: free for the collective after next
+        bells[i]["free"].append(got[i])
     table = [rows[i] for i in range(ring.size)]
-    if any(row[:5] != table[0][:5] for row in table):
+    if any(row != table[0] for row in table):  # (the carried numel follows from the rest)
         lines = [
             f"  rank {i}: {KINDS[k]}, {numel} elements of {DTYPES[d]}, op={list(OPS)[o]}, root={e}"
             for i, (k, numel, d, o, e, _) in enumerate(table)
@@ -379,16 +377,24 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
             f"{kind}: the ranks called different collectives or passed different tensors:\n" + "\n".join(lines)
             + "\nEvery rank must call the same collective with a tensor of the same size and dtype, and the same op."
         )
-    if any(row != table[0] for row in table):  # same tensors, yet one rank carried data and another not
-        raise RuntimeError(f"{kind}: internal error, ranks disagree on carrying data in the header: {table}")
     return received
 
 
 def _doorbells(ring: Ring, others: list[int]) -> dict:
-    """{group rank: (receive work, its buffer)}: the header receives posted for this collective."""
-    bells = ring.workspace.setdefault("doorbells", {})
+    """{group rank: {"posted": header receives in the order posted, "free": buffers to post next}}.
+
+    Two buffers per peer: between collectives one receive is posted (this collective's) and one
+    buffer is free; each collective first posts the next one's, then sends its header.  The peer
+    cannot send header k+1 before it has read our header k, so receive k+1 is always posted first.
+    """
+    bells = ring.doorbells
     for i in others:
-        if i not in bells:  # the first collective on this group: post them now
-            buf = torch.empty(DOORBELL_BYTES, dtype=torch.uint8)
-            bells[i] = (dist.irecv(buf, ring.global_rank(i), group=ring.group, tag=HEADER_TAG), buf)
+        if i not in bells:  # the first collective on this group: post this one's receive now
+            buffers = [torch.empty(DOORBELL_BYTES, dtype=torch.uint8) for _ in range(2)]
+            bells[i] = {"posted": collections.deque([_ring_doorbell(ring, i, buffers[0])]), "free": [buffers[1]]}
     return bells
+
+
+def _ring_doorbell(ring: Ring, peer: int, buf: torch.Tensor) -> tuple:
+    """Post a header receive from group rank ``peer`` into ``buf``: (work, buf)."""
+    return dist.irecv(buf, ring.global_rank(peer), group=ring.group, tag=HEADER_TAG), buf
