@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.fsdp import FSDP, ShardingStrategy
+from minifsdp.fsdp import FSDP, ShardingStrategy, fully_sharded
 from minifsdp.fsdp.sharding import hybrid_groups
 from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
 from minifsdp.memory.census import live_tensor_bytes
@@ -199,3 +199,74 @@ def frees_worker(collectives: str, fault: str | None = None) -> dict:
 def frees_cases_worker(cases: tuple) -> list:
     """:func:`frees_worker` for each (collectives, fault) in ``cases``, in one spawn."""
     return [frees_worker(c, f) for c, f in cases]
+
+
+class _Inner(nn.Linear):
+    """A layer its parent calls twice in one forward (two graphs through one unit before one backward)."""
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.inner, self.head = nn.Linear(8, 8), _Inner(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):  # the first call's backward needs inner's weight (its input needs a gradient)
+        return self.head(self.inner(torch.relu(self.inner(self.pre(x)))))
+
+
+def _split_node(h):
+    """The SplitWithSizesBackward0 node of a unit's current views (what backward.py hooks), or None."""
+    slot = h.layout.slots[0]
+    node = getattr(slot.module.__dict__.get(slot.name), "grad_fn", None)
+    while node is not None and node.name() != "SplitWithSizesBackward0":
+        node = node.next_functions[0][0] if node.next_functions else None
+    return node
+
+
+def free_before_concat_worker(planted: bool) -> dict:
+    """When autograd is about to concatenate a unit's parameter gradients, are its parameters freed?
+
+    A pre-hook registered on the same node after ours runs after it and reads the gathered buffer's
+    bytes; ``planted``: ours is switched off (the bug the check exists for: they stay until the
+    post-backward).  Then a unit called twice per forward, trained with the early free and without
+    it: the numbers must be the same bits (the second graph's node must not free what the first needs).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    original = fully_sharded.register_free_before_concat
+    if planted:
+        fully_sharded.register_free_before_concat = lambda unit, awaiting: None
+    try:
+        model = _wrap("ours", TinyGPT(GPTConfig.tiny(), seed=0), {Block}, "FULL_SHARD", False)
+        handles = [u._handle for u in FSDP.fsdp_modules(model)]
+        loss = model(*CharCorpus().batch(0, 2, 32, rank, world))
+        seen = []
+        for h in handles:
+            node = _split_node(h)
+            if node is not None:
+                node.register_prehook(lambda _g, _h=h: seen.append(_h.padded.untyped_storage().nbytes()))
+        loss.backward()
+        out = {"at_concat": seen, "units": len(handles)}
+        runs = {}
+        for early in (True, False):
+            fully_sharded.register_free_before_concat = original if early else (lambda unit, awaiting: None)
+            policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={_Inner})
+            m = FSDP(_Twice(), auto_wrap_policy=policy)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(2):
+                opt.zero_grad()
+                m(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+                opt.step()
+            runs[early] = [p.detach().clone() for p in m.parameters()] + [p.grad.clone() for p in m.parameters()]
+        a, b = runs[True], runs[False]
+        out["twice_same_bits"] = len(a) == len(b) > 0 and all(
+            x.shape == y.shape and bool((x.view(torch.int32) == y.view(torch.int32)).all()) for x, y in zip(a, b))
+        return out
+    finally:
+        fully_sharded.register_free_before_concat = original
+
+
+def free_before_concat_cases_worker() -> list:
+    """:func:`free_before_concat_worker` as shipped, then with the planted fault."""
+    return [free_before_concat_worker(False), free_before_concat_worker(True)]

@@ -83,3 +83,24 @@ def test_the_free_check_catches_a_kept_full_gradient(frees):
     """The planted fault (a reference kept to each reduce-scatter's input) is what the check above sees."""
     for r in frees[("torch", "keep_grad")]:
         assert r["kept_grad_bytes"] > 0, r
+
+
+@pytest.fixture(scope="module")
+def concat():
+    """One spawn: {planted: rank results} with ours' early free on, and switched off (the planted fault)."""
+    per_rank = spawn(W.free_before_concat_cases_worker, world_size=2)
+    return {planted: [r[i] for r in per_rank] for i, planted in enumerate((False, True))}
+
+
+def test_parameters_are_freed_before_autograd_concatenates_the_gradients(concat):
+    """Ours frees a unit's gathered parameters when autograd has all its parameter gradients, before it
+    concatenates them (backward.py, ``register_free_before_concat``): torch frees them after (the
+    concatenation then sits on top of them: bench fsdp's 19M peak).  Oracle: the buffer's bytes at that
+    moment, 0, and the same run's own post-backward state; a unit called twice per forward trains to
+    the same bits with and without it (the second graph's hook must not free what the first needs; without
+    the guard for that, the first call's backward reads a freed weight and the ranks fail: seen once)."""
+    for r in concat[False]:
+        assert len(r["at_concat"]) == r["units"] and all(b == 0 for b in r["at_concat"]), r
+        assert r["twice_same_bits"], r
+    for r in concat[True]:  # the planted fault: freed only at the post-backward, so still there
+        assert len(r["at_concat"]) == r["units"] and all(b > 0 for b in r["at_concat"]), r

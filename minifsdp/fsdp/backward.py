@@ -8,6 +8,8 @@
                             the gradients of its inputs, so it is past the unit: free the parameters
     final_callback          the end of the whole backward (the root's): finish every reduction,
                             free what is left, every unit back to IDLE
+    free_before_concat      (ours, not torch's) autograd has every parameter's gradient of the unit and
+                            is about to concatenate them into the flat gradient: free the parameters now
 
 Each is torch FSDP1's (``torch/distributed/fsdp/_runtime_utils.py``): ``_pre_backward_hook``,
 ``_post_backward_hook``, ``_post_backward_reshard_only_hook``, ``_post_backward_final_callback``.
@@ -22,6 +24,7 @@ unit is, and ``limit_all_gathers`` does not stop prefetching for the rest of the
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -32,7 +35,7 @@ from minifsdp.fsdp.sharding import RESHARD_AFTER_FORWARD
 from minifsdp.fsdp.state import TrainingState
 
 __all__ = ["pre_backward", "post_backward", "register_reshard_only_hook", "post_backward_reshard",
-           "final_callback", "frees_in_backward"]
+           "final_callback", "frees_in_backward", "register_free_before_concat"]
 
 
 def frees_in_backward(unit) -> bool:
@@ -101,6 +104,46 @@ def post_backward(unit) -> None:
         # outlives it.  Keeping one reduction in flight (torch's GPU way, on a stream) would hold a whole
         # unit's gradient through the next unit's backward: +1 block at the peak (bench TinyGPT: 4%).
         h.finish_reduce()
+
+
+def register_free_before_concat(unit, awaiting: bool) -> None:
+    """Forward (after the views are made): free the unit's gathered parameters one step earlier than torch.
+
+    The views of the full buffer come from one ``split`` (``flat_param.unflatten``), so autograd
+    gathers the unit's parameter gradients in one node, ``SplitWithSizesBackward0``, which runs
+    once *all* of them are computed, i.e. once every node that uses the parameters has run; it
+    then concatenates them into the flat gradient (the per-parameter gradients and the flat one
+    both alive: two units' worth).  torch frees the parameters after that (post-backward, on the
+    leaf's AccumulateGrad, which reads no data either); a pre-hook on that node frees them
+    before, so the concatenation no longer sits on top of them (bench fsdp, 19M TinyGPT: this is
+    the peak; one block less there).
+
+    Note (when not): only for a unit whose forward ran once since its last backward (``awaiting``
+    False): with two forwards, the first graph's nodes still need the parameters after the
+    second graph's split node; only sharded units without ``use_orig_params`` (whose frozen,
+    detached views could be read by a node outside that split's graph).  Otherwise the
+    post-backward frees them, as before.  The numbers never change: no kernel reads them.
+    """
+    h = unit._handle
+    unit._free_token = None  # a second forward (or none of this kind): post_backward frees, as torch
+    if awaiting or h is None or h.use_orig_params or not h.sharded or not torch.is_grad_enabled() \
+            or not h.unsharded.requires_grad:
+        return
+    slot = h.layout.slots[0]
+    node = getattr(slot.module.__dict__.get(slot.name), "grad_fn", None)
+    while node is not None and node.name() != "SplitWithSizesBackward0":  # the view's ViewBackward0, then split
+        node = node.next_functions[0][0] if node.next_functions else None
+    if node is None:
+        return
+    token = unit._free_token = object()
+    ref = weakref.ref(unit)  # the hook lives in C++ with the graph: no reference that keeps the model alive
+    node.register_prehook(lambda _grads: _free_before_concat(ref(), token))
+
+
+def _free_before_concat(unit, token) -> None:
+    if unit is not None and unit.__dict__.get("_free_token") is token \
+            and unit.training_state is TrainingState.PRE_BACKWARD and frees_in_backward(unit):
+        unit._handle.reshard()
 
 
 def register_reshard_only_hook(unit, args, kwargs) -> None:

@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten
 from minifsdp.fsdp import deferred_init, full_params, optim_state
 from minifsdp.fsdp import state_dict_type as sd_type
 from minifsdp.fsdp import torch_options as opts
-from minifsdp.fsdp.backward import post_backward, pre_backward, register_reshard_only_hook
+from minifsdp.fsdp.backward import post_backward, pre_backward, register_free_before_concat, register_reshard_only_hook
 from minifsdp.fsdp.checks import check_one_device, check_same_on_all_ranks, install_optimizer_check
 from minifsdp.fsdp.dtype_change import adopt_dtype, flat_param_registered
 from minifsdp.fsdp.events import span
@@ -326,6 +326,7 @@ class FullyShardedDataParallel(Unit):
             if root.forward_prefetch:
                 prefetch(step.order.next_in_forward(self), step.units, root.limit_all_gathers, in_backward=False)
             h.use_unsharded_views(in_forward=True)
+            register_free_before_concat(self, awaiting)  # backward.py
         try:
             with span(self._tracer, "forward", h.name if h is not None else "root"):
                 out = self._fsdp_wrapped_module(*args, **kwargs)
