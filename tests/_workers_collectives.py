@@ -158,9 +158,10 @@ def _check_async(fails):
 def _check_bytes(fails, groups):
     for members, g in groups:
         k, r = len(members), dist.get_rank(g)
-        if k not in (4, 8):
+        if k not in (2, 4, 8):
             continue
-        for numel in (4096, 4099, 5, 3):  # divisible by N, then not
+        # divisible by N, then not; at N=2 one too big to ride in the header message (the swap path)
+        for numel in (4096, 4099, 5, 3) + ((C.CARRY_BYTES // 4 + 1,) if k == 2 else ()):
             x = torch.ones(numel)
             with C.count_bytes() as stats:
                 C.ring_all_reduce(x, group=g)
