@@ -65,11 +65,11 @@ def bus_bandwidth(nbytes: int, world_size: int, seconds: float) -> float:
 
 def _repeats(nbytes: int) -> tuple[int, int]:
     """(warm-up, timed) repeats for a message of ``nbytes``."""
-    if nbytes <= 256 * KB:
-        return 3, 20
+    if nbytes <= 256 * KB:  # a small message costs a scheduler tick or two: many repeats for a stable median
+        return 5, 60
     if nbytes <= 4 * KB * KB:
-        return 2, 8
-    return 1, 4
+        return 3, 20
+    return 2, 10
 
 
 def _time_once(fn, tensor) -> float:
