@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from minifsdp.comm.early import EarlySwap, fill_peer_receives
 from minifsdp.comm.ring import (
     CARRY_BYTES,
     DTYPES,
@@ -143,6 +144,13 @@ def _run(name: str, group, job, async_op: bool) -> Work | None:
     return None
 
 
+def _fill(ring: Ring):
+    """On a header mismatch at N=2: fill the data receives the peer may have posted early (early.py)."""
+    if ring.size != 2:
+        return None
+    return lambda rows: fill_peer_receives(ring, rows)
+
+
 # ----------------------------------------------------------------------------- public collectives
 def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False) -> Work | None:
     """In place: every rank's ``tensor`` becomes the sum (or mean) over ranks.  Any shape, any size.
@@ -154,8 +162,16 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
 
     def job(ring: Ring) -> None:
         flat = tensor.view(-1)
-        small = ring.size == 2 and flat.numel() * flat.element_size() <= CARRY_BYTES
-        received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat if small else None)
+        if ring.size == 2 and flat.numel() * flat.element_size() > CARRY_BYTES:
+            swap = EarlySwap(ring, flat)  # the data receives, posted before the header (early.py)
+            agree_on_header(ring, "all_reduce", tensor, op, on_mismatch=swap.cancel)
+            swap.run()
+            if op == "avg":
+                flat.div_(2)
+            return
+        small = ring.size == 2
+        received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat if small else None,
+                                   on_mismatch=_fill(ring))
         all_reduce_in_place(ring, flat, op, received=received)
 
     return _run("ring_all_reduce", group, job, async_op)
@@ -173,7 +189,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
                          f"world_size x output.numel() = {n} x {output.numel()} = {n * output.numel()}.")
 
     def job(ring: Ring) -> None:
-        agree_on_header(ring, "reduce_scatter", input, op)
+        agree_on_header(ring, "reduce_scatter", input, op, on_mismatch=_fill(ring))
         r, m = ring.rank, output.numel()
         chunks = input.view(n, m)
         if n == 1:
@@ -206,7 +222,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async
                          f"world_size x input.numel() = {n} x {input.numel()} = {n * input.numel()}.")
 
     def job(ring: Ring) -> None:
-        agree_on_header(ring, "all_gather", input, "sum")
+        agree_on_header(ring, "all_gather", input, "sum", on_mismatch=_fill(ring))
         flat, m = output.view(-1), input.numel()
         flat[ring.rank * m : (ring.rank + 1) * m].copy_(input.view(-1))
         all_gather_in_place(ring, flat, chunk_bounds(flat.numel(), n))
@@ -225,7 +241,7 @@ def naive_all_reduce(tensor: torch.Tensor, op="sum", group=None, root: int = 0) 
         raise ValueError(f"naive_all_reduce: root={root} is not a rank of the group (0..{n - 1}).")
 
     def job(ring: Ring) -> None:
-        agree_on_header(ring, "naive_all_reduce", tensor, op, extra=root)
+        agree_on_header(ring, "naive_all_reduce", tensor, op, extra=root, on_mismatch=_fill(ring))
         flat, empty = tensor.view(-1), tensor.new_empty(0)
         if ring.rank != root:
             ring.exchange(flat, root, empty, root)  # my data up ...

@@ -58,7 +58,8 @@ in one round trip; a tensor of at most ``CARRY_BYTES`` even rides inside the
 header message (``carry``), so a small all-reduce is *one* message each way,
 into a receive posted long before.  A mismatch still raises on both ranks: both
 read both headers before anyone uses the data.  ``a + b == b + a`` bitwise,
-so both ranks hold the same bits.
+so both ranks hold the same bits.  A bigger tensor is swapped by :mod:`minifsdp.comm.early`,
+whose data receives are posted before the header is sent (that module's Note says why).
 
 Note (pipelined pieces): a chunk larger than ``PIECE_BYTES`` moves as up to
 ``MAX_PIECES`` pieces; a rank adds (or forwards) piece j while piece j+1 is
@@ -284,7 +285,10 @@ def reduce_scatter_in_place(ring: Ring, flat: torch.Tensor, bounds, piece_bytes:
 
 def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_bytes: int = 0,
                         received: torch.Tensor | None = None) -> None:
-    """Ring all-reduce of the 1-D ``flat`` (in place): a reduce-scatter then an all-gather; 2 ranks swap and add.
+    """Ring all-reduce of the 1-D ``flat`` (in place): a reduce-scatter then an all-gather.
+
+    At N=2 with ``received`` (the other rank's tensor, carried in its header) it only adds;
+    without it the ring runs (ring_all_reduce swaps bigger tensors itself: comm/early.py).
 
     Note (two ranks): with N=2 the ring is one exchange each way per phase: send the half the
     other rank owns, add the half it sends; then send back the summed half.  Swapping the *whole*
@@ -298,11 +302,6 @@ def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_b
         if op == "avg":
             flat.div_(n)
         return
-    if n == 2:
-        _swap_and_add(ring, flat, piece_bytes or PIECE_BYTES)
-        if op == "avg":
-            flat.div_(n)
-        return
     bounds = chunk_bounds(flat.numel(), n)
     reduce_scatter_in_place(ring, flat, bounds, piece_bytes)
     if op == "avg" and n > 1:  # divide once, on the chunk this rank owns, so every rank gets the same bits
@@ -310,22 +309,8 @@ def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_b
     all_gather_in_place(ring, flat, bounds, piece_bytes)
 
 
-def _swap_and_add(ring: Ring, flat: torch.Tensor, piece_bytes: int) -> None:
-    """N=2: send all of ``flat`` to the other rank while receiving all of its tensor, and add, piece by piece."""
-    k = max(1, min(MAX_PIECES, -(-flat.numel() * flat.element_size() // piece_bytes)))
-    sizes = [b - a for a, b in chunk_bounds(flat.numel(), k)]
-    mine, theirs = flat.split(sizes), ring.scratch(flat.numel(), flat).split(sizes)
-    other = ring.rank + 1
-    receiving = [ring.irecv(t, other) for t in theirs]
-    sending = [ring.isend(m, other) for m in mine]
-    for m, t, sent, received in zip(mine, theirs, sending, receiving):
-        sent.wait()  # piece m is still being read by the send: add into it only once that is done
-        received.wait()
-        m.add_(t)
-
-
 def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra: int = 0,
-                    carry: torch.Tensor | None = None) -> torch.Tensor | None:
+                    carry: torch.Tensor | None = None, on_mismatch=None) -> torch.Tensor | None:
     """Every rank tells every other rank (collective, numel, dtype, op, extra); all check they agree.
 
     Not a ring: for 5 numbers latency is all that matters, so each rank sends its row
@@ -335,6 +320,7 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
     ``carry`` (2 ranks only, at most ``DOORBELL_BYTES - HEADER_BYTES`` bytes): data sent to the other
     rank in the same message as the header; returns what the other rank carried, once the headers
     agree (its bytes are counted, as data).  See the Note (doorbell) at the top of this module.
+    ``on_mismatch(rows)``: called with every rank's header row before the ``ValueError`` is raised.
     """
     mine = [KINDS.index(kind), tensor.numel(), DTYPES.index(tensor.dtype), list(OPS).index(op), extra,
             0 if carry is None else carry.numel()]
@@ -369,6 +355,8 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
         bells[i]["free"].append(got[i])
     table = [rows[i] for i in range(ring.size)]
     if any(row != table[0] for row in table):  # (the carried numel follows from the rest)
+        if on_mismatch is not None:
+            on_mismatch(table)
         lines = [
             f"  rank {i}: {KINDS[k]}, {numel} elements of {DTYPES[d]}, op={list(OPS)[o]}, root={e}"
             for i, (k, numel, d, o, e, _) in enumerate(table)
