@@ -248,6 +248,24 @@ def _check_errors(fails):
             C.ring_all_reduce(x, group=pair)
             if not torch.equal(x, torch.full((numel,), 3.0)):
                 fails.append(f"2 ranks, {numel} elements: after the mismatch errors the sum is wrong")
+        # Mismatches of reduce-scatter / all-gather at 2 ranks, one against a big all-reduce whose data
+        # receive was posted before the header (comm/early.py): it must be filled, or the next call hangs.
+        mismatches = (
+            ("AG sizes differ", lambda: C.ring_all_gather(torch.empty(2 * (3 + me)), torch.ones(3 + me), group=pair)),
+            ("RS vs AG", lambda: C.ring_reduce_scatter(torch.empty(4), torch.ones(8), group=pair) if me
+             else C.ring_all_gather(torch.empty(8), torch.ones(4), group=pair)),
+            ("RS vs big all-reduce", lambda: C.ring_reduce_scatter(torch.empty(5), torch.ones(10), group=pair) if me
+             else C.ring_all_reduce(torch.ones(big), group=pair)),
+        )
+        for what, fn in mismatches:
+            _expect_error(fails, f"2 ranks, {what}", ValueError, "different", fn)
+        out, gathered = torch.empty(4), torch.empty(8)
+        C.ring_reduce_scatter(out, torch.arange(8.0) * (me + 1), group=pair)
+        C.ring_all_gather(gathered, torch.full((4,), float(me)), group=pair)
+        if not torch.equal(out, torch.arange(4.0 * me, 4.0 * me + 4) * 3):
+            fails.append(f"2 ranks: after the RS/AG mismatch errors the reduce-scatter gives {out.tolist()}")
+        if not torch.equal(gathered, torch.tensor([0.0] * 4 + [1.0] * 4)):
+            fails.append(f"2 ranks: after the RS/AG mismatch errors the all-gather gives {gathered.tolist()}")
 
 
 def _check_facade(fails):

@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minifsdp.comm.early import EarlySwap, fill_peer_receives
+from minifsdp.comm.early import EarlyExchange, fill_peer_receives
 from minifsdp.comm.ring import (
     CARRY_BYTES,
     DTYPES,
@@ -163,9 +163,10 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
     def job(ring: Ring) -> None:
         flat = tensor.view(-1)
         if ring.size == 2 and flat.numel() * flat.element_size() > CARRY_BYTES:
-            swap = EarlySwap(ring, flat)  # the data receives, posted before the header (early.py)
+            swap = EarlyExchange(ring, ring.scratch(flat.numel(), flat))  # posted before the header (early.py)
             agree_on_header(ring, "all_reduce", tensor, op, on_mismatch=swap.cancel)
-            swap.run()
+            mine = flat.split(swap.sizes)
+            swap.run(flat, lambda j, sent, got: mine[j].add_(got))
             if op == "avg":
                 flat.div_(2)
             return
@@ -189,9 +190,9 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
                          f"world_size x output.numel() = {n} x {output.numel()} = {n * output.numel()}.")
 
     def job(ring: Ring) -> None:
-        agree_on_header(ring, "reduce_scatter", input, op, on_mismatch=_fill(ring))
         r, m = ring.rank, output.numel()
         chunks = input.view(n, m)
+        agree_on_header(ring, "reduce_scatter", input, op, on_mismatch=_fill(ring))
         if n == 1:
             output.view(-1).copy_(chunks[0])
         # Two scratch buffers, used in turn: we send one while receiving into the other.
@@ -222,8 +223,8 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async
                          f"world_size x input.numel() = {n} x {input.numel()} = {n * input.numel()}.")
 
     def job(ring: Ring) -> None:
-        agree_on_header(ring, "all_gather", input, "sum", on_mismatch=_fill(ring))
         flat, m = output.view(-1), input.numel()
+        agree_on_header(ring, "all_gather", input, "sum", on_mismatch=_fill(ring))
         flat[ring.rank * m : (ring.rank + 1) * m].copy_(input.view(-1))
         all_gather_in_place(ring, flat, chunk_bounds(flat.numel(), n))
 

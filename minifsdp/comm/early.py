@@ -9,8 +9,15 @@ tick (~4 ms; ring.py, Note (doorbell)).  After the header exchange both ranks po
 receive and send at once, so each data message races its receive.  But every rank must pass a
 tensor of the same size and dtype, so a rank already knows what it will receive *before* it
 knows the headers agree: it posts the data receives first, then sends its header.  The peer
-sends data only after it has read that header, so the data always finds its receive posted
-(the fast path).  Measured at 256 KB and 1 MB: see the commit message.
+sends data only after it has read that header, so the data always finds its receive posted.
+
+Note (what the tick really was, measured): timing each call inside a slow 256 KB swap showed
+the ~4 ms mostly inside the ``dist.isend`` *call* (and sometimes the ``irecv`` call), not in
+``wait()``: both ranks send at once, and each one's call waits for the connection's lock,
+held by gloo's event thread while it reads the peer's incoming bytes -- on 2 busy cores that
+thread may be descheduled holding it.  Posting early helps only a little (noisy).  What helps
+clearly is fewer messages: ``CARRY_BYTES`` became 1 MB (was 128 KB), so up to 1 MB an
+all-reduce is one message each way, the header's (bench, N=2: 256 KB ~3 ms -> ~0.8-1.1 ms).
 
 Note (a mismatch): if the headers disagree no data is sent, but a receive posted early is
 still waiting, and it would swallow the peer's next message.  Each rank knows from the peer's
@@ -28,45 +35,58 @@ import torch.distributed as dist
 
 from minifsdp.comm.ring import CARRY_BYTES, DTYPES, KINDS, MAX_PIECES, PIECE_BYTES, Ring, chunk_bounds
 
-__all__ = ["SWAP_TAG", "swap_sizes", "early_receives", "EarlySwap", "fill_peer_receives"]
+__all__ = ["SWAP_TAG", "swap_sizes", "early_numel", "early_receives", "EarlyExchange", "fill_peer_receives"]
 
 SWAP_TAG = 0x6D67  # the tag of the two-rank swap's data (and of mismatch fillers)
 
 
 def swap_sizes(numel: int, itemsize: int, piece_bytes: int = PIECE_BYTES) -> list[int]:
-    """Element counts of the pieces the swap moves ``numel`` elements in (every piece non-empty)."""
+    """Element counts of the pieces an exchange of ``numel`` elements moves in (all non-empty; none if 0)."""
+    if numel <= 0:
+        return []
     k = max(1, min(MAX_PIECES, numel, -(-numel * itemsize // piece_bytes)))
     return [b - a for a, b in chunk_bounds(numel, k)]
 
 
+def early_numel(kind: str, numel: int, itemsize: int) -> int:
+    """Elements a rank receives early at N=2 for collective ``kind`` on a header tensor of ``numel`` (0: none).
+
+    Only an all-reduce above ``CARRY_BYTES`` (smaller ones ride in the header message).  Reduce-scatter
+    and all-gather could do the same, but measured no clear gain (see the commit message), so they don't.
+    """
+    return numel if kind == "all_reduce" and numel * itemsize > CARRY_BYTES else 0
+
+
 def early_receives(row: list[int]) -> int:
-    """How many receives a rank whose header row is ``row`` posted early (0: it uses no early swap)."""
-    kind, numel, dtype = row[0], row[1], DTYPES[row[2]]
-    if KINDS[kind] != "all_reduce" or numel * dtype.itemsize <= CARRY_BYTES:
-        return 0
-    return len(swap_sizes(numel, dtype.itemsize))
+    """How many receives a rank whose header row is ``row`` posted early (0: none)."""
+    itemsize = DTYPES[row[2]].itemsize
+    return len(swap_sizes(early_numel(KINDS[row[0]], row[1], itemsize), itemsize))
 
 
-class EarlySwap:
-    """N=2 all-reduce data: receives posted at construction (before the header), then ``run()`` or ``cancel()``."""
+class EarlyExchange:
+    """N=2: receives into ``inbox`` posted at construction (before the header), then ``run()`` or ``cancel()``."""
 
-    def __init__(self, ring: Ring, flat: torch.Tensor):
-        self.ring, self.flat, self.peer = ring, flat, ring.global_rank(ring.rank + 1)
-        self.sizes = swap_sizes(flat.numel(), flat.element_size())
-        self.theirs = ring.scratch(flat.numel(), flat).split(self.sizes)
-        self.receiving = [dist.irecv(t, self.peer, group=ring.group, tag=SWAP_TAG) for t in self.theirs]
+    def __init__(self, ring: Ring, inbox: torch.Tensor):
+        self.ring, self.peer = ring, ring.global_rank(ring.rank + 1)
+        self.sizes = swap_sizes(inbox.numel(), inbox.element_size())
+        self.inbox = inbox.split(self.sizes)
+        self.receiving = [dist.irecv(t, self.peer, group=ring.group, tag=SWAP_TAG) for t in self.inbox]
 
-    def run(self) -> None:
-        """The headers agree: send ours piece by piece and add theirs as each arrives."""
-        nbytes = self.flat.numel() * self.flat.element_size()
+    def run(self, outbox: torch.Tensor, arrived=None) -> None:
+        """The headers agree: send ``outbox`` piece by piece; ``arrived(j, sent, got)`` as piece j lands.
+
+        ``sent`` (our piece j) has left by then, so ``arrived`` may write into it.
+        """
+        nbytes = outbox.numel() * outbox.element_size()
         for s in self.ring.stats:
             s.sent, s.received, s.messages = s.sent + nbytes, s.received + nbytes, s.messages + len(self.sizes)
-        mine = self.flat.split(self.sizes)
+        mine = outbox.split(self.sizes)
         sending = [dist.isend(m, self.peer, group=self.ring.group, tag=SWAP_TAG) for m in mine]
-        for m, t, sent, received in zip(mine, self.theirs, sending, self.receiving):
-            sent.wait()  # piece m is still being read by the send: add into it only once that is done
+        for j, (m, t, sent, received) in enumerate(zip(mine, self.inbox, sending, self.receiving)):
+            sent.wait()
             received.wait()
-            m.add_(t)
+            if arrived is not None:
+                arrived(j, m, t)
 
     def cancel(self, rows: list[list[int]]) -> None:
         """The headers disagree: fill the peer's early receives with one-byte messages; wait for ours."""
@@ -76,7 +96,7 @@ class EarlySwap:
 
 
 def fill_peer_receives(ring: Ring, rows: list[list[int]]) -> None:
-    """A rank that posted nothing early, on a mismatch: fill what the peer posted early (if anything)."""
+    """On a mismatch: fill what the peer posted early (if anything), known from its header row."""
     other = (ring.rank + 1) % 2
     filler = torch.zeros(1, dtype=torch.uint8)
     sending = [dist.isend(filler, ring.global_rank(other), group=ring.group, tag=SWAP_TAG)

@@ -88,8 +88,8 @@ PIECE_BYTES = 1 << 20  # pipelined ring: each chunk moves in pieces of about thi
 MAX_PIECES = 16  # ... but at most this many per chunk (every piece costs a few Python calls)
 HEADER_TAG = 0x6D66  # the tag of header messages ("mf"): never matches anyone's data sends (tag 0)
 HEADER_BYTES = 64  # 8 int64: kind, numel, dtype, op, extra, carried numel, 2 spare
-CARRY_BYTES = 128 << 10  # 2 ranks: an all-reduce up to this size travels in the header message
-DOORBELL_BYTES = HEADER_BYTES + CARRY_BYTES  # a header receive accepts any message up to this size
+CARRY_BYTES = 1 << 20  # 2 ranks: an all-reduce up to this size travels in the header message
+DOORBELL_BYTES = HEADER_BYTES + CARRY_BYTES  # 2 ranks: a header receive accepts any message up to this size
 
 
 def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -330,7 +330,7 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
         bells[i]["posted"].append(_ring_doorbell(ring, i, bells[i]["free"].pop()))
     out = ring.workspace.get("bell_out")
     if out is None:
-        out = ring.workspace["bell_out"] = torch.empty(DOORBELL_BYTES, dtype=torch.uint8)
+        out = ring.workspace["bell_out"] = torch.empty(_bell_bytes(ring), dtype=torch.uint8)
     nbytes = HEADER_BYTES + (0 if carry is None else carry.numel() * carry.element_size())
     out[:HEADER_BYTES].view(torch.int64)[: len(mine)] = torch.tensor(mine)
     if carry is not None:
@@ -378,9 +378,14 @@ def _doorbells(ring: Ring, others: list[int]) -> dict:
     bells = ring.doorbells
     for i in others:
         if i not in bells:  # the first collective on this group: post this one's receive now
-            buffers = [torch.empty(DOORBELL_BYTES, dtype=torch.uint8) for _ in range(2)]
+            buffers = [torch.empty(_bell_bytes(ring), dtype=torch.uint8) for _ in range(2)]
             bells[i] = {"posted": collections.deque([_ring_doorbell(ring, i, buffers[0])]), "free": [buffers[1]]}
     return bells
+
+
+def _bell_bytes(ring: Ring) -> int:
+    """Capacity of a header message: room for a carried tensor at 2 ranks only (none carried at N > 2)."""
+    return DOORBELL_BYTES if ring.size == 2 else HEADER_BYTES
 
 
 def _ring_doorbell(ring: Ring, peer: int, buf: torch.Tensor) -> tuple:
