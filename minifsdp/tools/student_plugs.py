@@ -161,27 +161,24 @@ class StudentComm(Comm):
             raise StudentError("--impl student plugs ring collectives only where FSDP's group is every rank "
                                "(FULL_SHARD, SHARD_GRAD_OP, NO_SHARD), not HYBRID_SHARD's subgroups")
 
-    def all_gather(self, out, inp, group, async_op: bool = False):
+    def _watched(self, name: str, what: str, ours, out, inp, group):
+        """The student's ``name(out, inp)``, then ours on a copy of the input over the mirror group: each
+        difference (in ``out``, or a changed input, ``what``) is noted against ``name``."""
         self._check_group(group)
         before = inp.clone()
-        self.plug.call("ring_all_gather", out, inp, group=group)
+        self.plug.call(name, out, inp, group=group)
         if _differ(inp, before) is not None:
-            self.plug.note("ring_all_gather", "it modified its input (this rank's shard)")
+            self.plug.note(name, f"it modified its input ({what})")
         want = torch.empty_like(out)
-        our_ring.ring_all_gather(want, before, group=self.mirror)
-        self.plug.note("ring_all_gather", _differ(out, want))
+        ours(want, before, group=self.mirror)
+        self.plug.note(name, _differ(out, want))
         return _Done()
 
+    def all_gather(self, out, inp, group, async_op: bool = False):
+        return self._watched("ring_all_gather", "this rank's shard", our_ring.ring_all_gather, out, inp, group)
+
     def reduce_scatter(self, out, inp, group, async_op: bool = False):
-        self._check_group(group)
-        before = inp.clone()
-        self.plug.call("ring_reduce_scatter", out, inp, group=group)
-        if _differ(inp, before) is not None:
-            self.plug.note("ring_reduce_scatter", "it modified its input (the gradient)")
-        want = torch.empty_like(out)
-        our_ring.ring_reduce_scatter(want, before, group=self.mirror)
-        self.plug.note("ring_reduce_scatter", _differ(out, want))
-        return _Done()
+        return self._watched("ring_reduce_scatter", "the gradient", our_ring.ring_reduce_scatter, out, inp, group)
 
     def all_reduce(self, t, group, async_op: bool = False):
         self._check_group(group)
