@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from minifsdp.comm import collectives as C
 from minifsdp.comm.ring import chunk_bounds
+from minifsdp.comm.header import HEADER_BYTES
+from minifsdp.comm.stream import stream_for
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 
@@ -240,6 +242,7 @@ def _check_errors(fails):
     pair = dist.new_group([0, 1])
     if me in (0, 1):
         big = C.CARRY_BYTES // 4 + 1  # float32 elements: one more than a header message may carry
+        C.ring_all_reduce(torch.ones(16), group=pair)  # from now on up to 64 B ride in the header (header.py)
         for what, numel in (("small sizes differ", 11 if me else 10), ("small vs too big to carry", big if me else 10)):
             _expect_error(fails, f"2 ranks, {what}", ValueError, "different tensors",
                           lambda k=numel: C.ring_all_reduce(torch.ones(k), group=pair))
@@ -266,6 +269,43 @@ def _check_errors(fails):
             fails.append(f"2 ranks: after the RS/AG mismatch errors the reduce-scatter gives {out.tolist()}")
         if not torch.equal(gathered, torch.tensor([0.0] * 4 + [1.0] * 4)):
             fails.append(f"2 ranks: after the RS/AG mismatch errors the all-gather gives {gathered.tolist()}")
+
+
+def _check_carry_room(fails):
+    """2 ranks: the header buffers kept between collectives hold no more than the largest all-reduce
+    asked for (comm/header.py, Note (two ranks: carry)); from the second one of a size on, it is carried."""
+    me = dist.get_rank()
+    pair = dist.new_group([0, 1])  # every rank calls new_group
+    if me not in (0, 1):
+        return
+    stream = stream_for(pair)
+
+    def kept() -> int:  # bytes of this group's header buffers: the posted receive, the free one, the send's
+        bells = stream.__dict__.get("doorbells", {})
+        peer = bells.get(1 - me, {"posted": [], "free": []})
+        bufs = [b for _, b, _ in peer["posted"]] + list(peer["free"]) + [stream.workspace.get("bell_out")]
+        return sum(b.numel() for b in bufs if b is not None)
+
+    for _ in range(3):  # what FSDP does: reduce-scatters and all-gathers only
+        C.ring_reduce_scatter(torch.empty(500), torch.ones(1000), group=pair)
+        C.ring_all_gather(torch.empty(1000), torch.ones(500), group=pair)
+    if kept() != 3 * HEADER_BYTES:
+        fails.append(f"after reduce-scatters and all-gathers only, the header buffers hold {kept()} B, "
+                     f"want {3 * HEADER_BYTES} (2 receives + 1 send, no carry room)")
+    swaps, real = [], C.EarlyExchange
+    C.EarlyExchange = lambda *a: swaps.append(1) or real(*a)
+    try:
+        for _ in range(2):
+            x = torch.full((1000,), float(me + 1))
+            C.ring_all_reduce(x, group=pair)
+            if not torch.equal(x, torch.full((1000,), 3.0)):
+                fails.append(f"2 ranks, 1000 elements: the all-reduce gave {x[:3].tolist()}")
+    finally:
+        C.EarlyExchange = real
+    if len(swaps) != 1:
+        fails.append(f"two all-reduces of 4000 B: {len(swaps)} went by the swap path, want 1 (the second is carried)")
+    if kept() != 3 * (HEADER_BYTES + 4000):
+        fails.append(f"after all-reduces of 4000 B the header buffers hold {kept()} B, want {3 * (HEADER_BYTES + 4000)}")
 
 
 def _check_facade(fails):
@@ -299,6 +339,7 @@ def run_all() -> dict[str, list[str]]:
         ("async", _check_async),
         ("bytes", lambda f: _check_bytes(f, groups)),
         ("errors", _check_errors),
+        ("carry_room", _check_carry_room),
         ("facade", _check_facade),
     ]:
         fails: list[str] = []

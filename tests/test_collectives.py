@@ -29,6 +29,7 @@ def report():
         "async",  # outstanding async collectives, FIFO order, a sync one behind them
         "bytes",  # 2(N-1)/N x S per rank for the ring, (N-1) x S at the naive root
         "errors",  # clear errors, raised on every rank, no hang
+        "carry_room",  # 2 ranks: header buffers sized by the largest all-reduce (FSDP: 64 B), later ones carried
         "facade",  # get_collectives("ring") and ("torch") agree
     ],
 )

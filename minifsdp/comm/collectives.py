@@ -52,14 +52,13 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.comm.early import EarlyExchange, fill_peer_receives
+from minifsdp.comm.header import CARRY_BYTES, agree_on_header, carry_room
 from minifsdp.comm.ring import (
-    CARRY_BYTES,
     DTYPES,
     OPS,
     ByteStats,
     Ring,
     active_stats,
-    agree_on_header,
     all_gather_in_place,
     all_reduce_in_place,
     chunk_bounds,
@@ -126,7 +125,7 @@ def _run(name: str, group, job, async_op: bool) -> Work | None:
 
     A synchronous call on an idle stream runs in the calling thread instead (the same order,
     two thread wake-ups fewer: :meth:`CommStream.run_inline_if_idle`).  The header receives
-    posted ahead (ring.py, Note (doorbell)) live with the stream: one set per group.
+    posted ahead (header.py, Note (doorbell)) live with the stream: one set per group.
     """
     stats = active_stats()  # bytes belong to the block that *issued* the collective
     stream = stream_for(group)
@@ -148,7 +147,8 @@ def _fill(ring: Ring):
     """On a header mismatch at N=2: fill the data receives the peer may have posted early (early.py)."""
     if ring.size != 2:
         return None
-    return lambda rows: fill_peer_receives(ring, rows)
+    room = carry_room(ring)  # now: once the headers are read it is the next collective's
+    return lambda rows: fill_peer_receives(ring, rows, room)
 
 
 # ----------------------------------------------------------------------------- public collectives
@@ -161,9 +161,9 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
     group, op = _check_ready("ring_all_reduce", group, {"tensor": tensor}, op)
 
     def job(ring: Ring) -> None:
-        flat = tensor.view(-1)
-        if ring.size == 2 and flat.numel() * flat.element_size() > CARRY_BYTES:
-            swap = EarlyExchange(ring, ring.scratch(flat.numel(), flat))  # posted before the header (early.py)
+        flat, room = tensor.view(-1), carry_room(ring)
+        if ring.size == 2 and flat.numel() * flat.element_size() > room:
+            swap = EarlyExchange(ring, ring.scratch(flat.numel(), flat), room)  # posted before the header (early.py)
             agree_on_header(ring, "all_reduce", tensor, op, on_mismatch=swap.cancel)
             mine = flat.split(swap.sizes)
             swap.run(flat, lambda j, sent, got: mine[j].add_(got))

@@ -1,11 +1,11 @@
 """Two ranks: the all-reduce's data receive is posted *before* the header exchange.
 
 Used by :func:`minifsdp.comm.collectives.ring_all_reduce` at N=2 for tensors too big to ride
-in the header message (more than ``CARRY_BYTES``); smaller ones are carried (ring.py).
+in the header message (more than ``carry_room(ring)``); smaller ones are carried (comm/header.py).
 
 Note (speculative receive): gloo's send/recv is a rendezvous, and on a loaded 2-core machine a
 receive posted at about the moment the other rank's message arrives can cost a whole scheduler
-tick (~4 ms; ring.py, Note (doorbell)).  After the header exchange both ranks post their data
+tick (~4 ms; header.py, Note (doorbell)).  After the header exchange both ranks post their data
 receive and send at once, so each data message races its receive.  But every rank must pass a
 tensor of the same size and dtype, so a rank already knows what it will receive *before* it
 knows the headers agree: it posts the data receives first, then sends its header.  The peer
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minifsdp.comm.ring import CARRY_BYTES, DTYPES, KINDS, MAX_PIECES, PIECE_BYTES, Ring, chunk_bounds
+from minifsdp.comm.ring import DTYPES, KINDS, MAX_PIECES, PIECE_BYTES, Ring, chunk_bounds
 
 __all__ = ["SWAP_TAG", "swap_sizes", "early_numel", "early_receives", "EarlyExchange", "fill_peer_receives"]
 
@@ -48,26 +48,27 @@ def swap_sizes(numel: int, itemsize: int, piece_bytes: int = PIECE_BYTES) -> lis
     return [b - a for a, b in chunk_bounds(numel, k)]
 
 
-def early_numel(kind: str, numel: int, itemsize: int) -> int:
+def early_numel(kind: str, numel: int, itemsize: int, room: int) -> int:
     """Elements a rank receives early at N=2 for collective ``kind`` on a header tensor of ``numel`` (0: none).
 
-    Only an all-reduce above ``CARRY_BYTES`` (smaller ones ride in the header message).  Reduce-scatter
+    Only an all-reduce above ``room``, the carry room both ranks agreed on (smaller ones ride in the
+    header message: comm/header.py).  Reduce-scatter
     and all-gather could do the same, but measured no clear gain (see the commit message), so they don't.
     """
-    return numel if kind == "all_reduce" and numel * itemsize > CARRY_BYTES else 0
+    return numel if kind == "all_reduce" and numel * itemsize > room else 0
 
 
-def early_receives(row: list[int]) -> int:
-    """How many receives a rank whose header row is ``row`` posted early (0: none)."""
+def early_receives(row: list[int], room: int) -> int:
+    """How many receives a rank whose header row is ``row`` posted early (0: none), given the carry room."""
     itemsize = DTYPES[row[2]].itemsize
-    return len(swap_sizes(early_numel(KINDS[row[0]], row[1], itemsize), itemsize))
+    return len(swap_sizes(early_numel(KINDS[row[0]], row[1], itemsize, room), itemsize))
 
 
 class EarlyExchange:
     """N=2: receives into ``inbox`` posted at construction (before the header), then ``run()`` or ``cancel()``."""
 
-    def __init__(self, ring: Ring, inbox: torch.Tensor):
-        self.ring, self.peer = ring, ring.global_rank(ring.rank + 1)
+    def __init__(self, ring: Ring, inbox: torch.Tensor, room: int):
+        self.ring, self.peer, self.room = ring, ring.global_rank(ring.rank + 1), room
         self.sizes = swap_sizes(inbox.numel(), inbox.element_size())
         self.inbox = inbox.split(self.sizes)
         self.receiving = [dist.irecv(t, self.peer, group=ring.group, tag=SWAP_TAG) for t in self.inbox]
@@ -90,16 +91,17 @@ class EarlyExchange:
 
     def cancel(self, rows: list[list[int]]) -> None:
         """The headers disagree: fill the peer's early receives with one-byte messages; wait for ours."""
-        fill_peer_receives(self.ring, rows)
+        fill_peer_receives(self.ring, rows, self.room)
         for work in self.receiving:  # the peer fills them the same way
             work.wait()
 
 
-def fill_peer_receives(ring: Ring, rows: list[list[int]]) -> None:
-    """On a mismatch: fill what the peer posted early (if anything), known from its header row."""
+def fill_peer_receives(ring: Ring, rows: list[list[int]], room: int) -> None:
+    """On a mismatch: fill what the peer posted early (if anything), known from its header row and the
+    carry room (both ranks computed the same ``room`` before the headers: comm/header.py)."""
     other = (ring.rank + 1) % 2
     filler = torch.zeros(1, dtype=torch.uint8)
     sending = [dist.isend(filler, ring.global_rank(other), group=ring.group, tag=SWAP_TAG)
-               for _ in range(early_receives(rows[other]))]
+               for _ in range(early_receives(rows[other], room))]
     for work in sending:
         work.wait()

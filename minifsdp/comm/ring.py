@@ -35,31 +35,9 @@ send/recv over TCP is a rendezvous -- a send whose receive is not posted yet
 only announces itself ("send ready"), and the bytes leave after the receiver
 answers "recv ready".  A receive posted early turns that into one trip.
 
-Note (same shapes everywhere): before moving data, every rank sends a small
-header (collective, element count, dtype, op) to every other rank and compares;
-if any rank differs, *every* rank raises the same ``ValueError`` listing all
-ranks.  Without it gloo would abort the process on a size mismatch or hang.
-Header bytes are control traffic, not counted by ``count_bytes``.
-
-Note (doorbell: the header receive is posted one collective early): gloo's
-send/recv is a rendezvous, and on a loaded 2-core machine a receive posted
-*while* the other rank's message arrives can cost a whole scheduler tick (4 ms,
-measured: gloo's event thread spins on the connection's lock while our thread,
-holding it, waits to be scheduled again).  A receive posted long before the
-message comes is the fast path (~0.1 ms).  Headers have a fixed *capacity*
-(gloo accepts a message shorter than the receive buffer, never a longer one),
-so each rank keeps a header receive per peer always posted: the next one is posted
-before this collective's header is sent.  Own tag (``HEADER_TAG``): they never
-catch data.  One set per group, kept by its comm stream (two would steal headers).
-
-Note (two ranks: swap and add): with N=2 the ring is one exchange per phase.
-Sending the whole tensor once and adding moves the same bytes (S = 2(N-1)/N x S)
-in one round trip; a tensor of at most ``CARRY_BYTES`` even rides inside the
-header message (``carry``), so a small all-reduce is *one* message each way,
-into a receive posted long before.  A mismatch still raises on both ranks: both
-read both headers before anyone uses the data.  ``a + b == b + a`` bitwise,
-so both ranks hold the same bits.  A bigger tensor is swapped by :mod:`minifsdp.comm.early`,
-whose data receives are posted before the header is sent (that module's Note says why).
+Note (the header): before moving data every rank checks that all ranks called the same
+collective on the same tensor shape, and at 2 ranks a small all-reduce rides in that
+check's message: :mod:`minifsdp.comm.header`.
 
 Note (pipelined pieces): a chunk larger than ``PIECE_BYTES`` moves as up to
 ``MAX_PIECES`` pieces; a rank adds (or forwards) piece j while piece j+1 is
@@ -68,7 +46,6 @@ still on the wire.  Receives are posted before the sends that feed them.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from dataclasses import dataclass
 
@@ -77,7 +54,7 @@ import torch.distributed as dist
 
 __all__ = [
     "chunk_bounds", "reduce_scatter_chunks", "all_gather_chunks", "ByteStats", "count_bytes", "active_stats",
-    "Ring", "all_gather_in_place", "reduce_scatter_in_place", "all_reduce_in_place", "agree_on_header",
+    "Ring", "all_gather_in_place", "reduce_scatter_in_place", "all_reduce_in_place"
 ]
 
 OPS = {"sum": "sum", "avg": "avg"}
@@ -86,10 +63,6 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "naive_all_reduce"]
 PIECE_BYTES = 1 << 20  # pipelined ring: each chunk moves in pieces of about this size ...
 MAX_PIECES = 16  # ... but at most this many per chunk (every piece costs a few Python calls)
-HEADER_TAG = 0x6D66  # the tag of header messages ("mf"): never matches anyone's data sends (tag 0)
-HEADER_BYTES = 64  # 8 int64: kind, numel, dtype, op, extra, carried numel, 2 spare
-CARRY_BYTES = 1 << 20  # 2 ranks: an all-reduce up to this size travels in the header message
-DOORBELL_BYTES = HEADER_BYTES + CARRY_BYTES  # 2 ranks: a header receive accepts any message up to this size
 
 
 def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -307,87 +280,3 @@ def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_b
     if op == "avg" and n > 1:  # divide once, on the chunk this rank owns, so every rank gets the same bits
         flat[slice(*bounds[ring.rank])].div_(n)
     all_gather_in_place(ring, flat, bounds, piece_bytes)
-
-
-def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra: int = 0,
-                    carry: torch.Tensor | None = None, on_mismatch=None) -> torch.Tensor | None:
-    """Every rank tells every other rank (collective, numel, dtype, op, extra); all check they agree.
-
-    Not a ring: for 5 numbers latency is all that matters, so each rank sends its row
-    straight to each other rank, all at once: one round trip instead of N-1 ring steps.
-    Control traffic: the header's bytes are not counted by ``count_bytes`` (that counts the data).
-
-    ``carry`` (2 ranks only, at most ``DOORBELL_BYTES - HEADER_BYTES`` bytes): data sent to the other
-    rank in the same message as the header; returns what the other rank carried, once the headers
-    agree (its bytes are counted, as data).  See the Note (doorbell) at the top of this module.
-    ``on_mismatch(rows)``: called with every rank's header row before the ``ValueError`` is raised.
-    """
-    mine = [KINDS.index(kind), tensor.numel(), DTYPES.index(tensor.dtype), list(OPS).index(op), extra,
-            0 if carry is None else carry.numel()]
-    others = [i for i in range(ring.size) if i != ring.rank]
-    bells = _doorbells(ring, others)
-    for i in others:  # the next collective's header receive, posted before the peer can have sent it
-        bells[i]["posted"].append(_ring_doorbell(ring, i, bells[i]["free"].pop()))
-    out = ring.workspace.get("bell_out")
-    if out is None:
-        out = ring.workspace["bell_out"] = torch.empty(_bell_bytes(ring), dtype=torch.uint8)
-    nbytes = HEADER_BYTES + (0 if carry is None else carry.numel() * carry.element_size())
-    out[:HEADER_BYTES].view(torch.int64)[: len(mine)] = torch.tensor(mine)
-    if carry is not None:
-        out[HEADER_BYTES:nbytes] = carry.view(-1).view(torch.uint8)
-    sending = [dist.isend(out[:nbytes], ring.global_rank(i), group=ring.group, tag=HEADER_TAG) for i in others]
-    rows, got = {ring.rank: mine}, {}
-    for i in others:
-        work, buf = bells[i]["posted"].popleft()
-        work.wait()
-        rows[i], got[i] = buf[:HEADER_BYTES].view(torch.int64)[: len(mine)].tolist(), buf
-    for work in sending:
-        work.wait()
-    received = None
-    if carry is not None and all(rows[i] == mine for i in others):
-        received = ring.scratch(carry.numel(), carry)
-        received.view(torch.uint8).copy_(got[others[0]][HEADER_BYTES:nbytes])
-        for s in ring.stats:
-            s.sent += carry.numel() * carry.element_size()
-            s.received += carry.numel() * carry.element_size()
-            s.messages += 1
-    for i in others:  # read: free for the collective after next
-        bells[i]["free"].append(got[i])
-    table = [rows[i] for i in range(ring.size)]
-    if any(row != table[0] for row in table):  # (the carried numel follows from the rest)
-        if on_mismatch is not None:
-            on_mismatch(table)
-        lines = [
-            f"  rank {i}: {KINDS[k]}, {numel} elements of {DTYPES[d]}, op={list(OPS)[o]}, root={e}"
-            for i, (k, numel, d, o, e, _) in enumerate(table)
-        ]
-        raise ValueError(
-            f"{kind}: the ranks called different collectives or passed different tensors:\n" + "\n".join(lines)
-            + "\nEvery rank must call the same collective with a tensor of the same size and dtype, and the same op."
-        )
-    return received
-
-
-def _doorbells(ring: Ring, others: list[int]) -> dict:
-    """{group rank: {"posted": header receives in the order posted, "free": buffers to post next}}.
-
-    Two buffers per peer: between collectives one receive is posted (this collective's) and one
-    buffer is free; each collective first posts the next one's, then sends its header.  The peer
-    cannot send header k+1 before it has read our header k, so receive k+1 is always posted first.
-    """
-    bells = ring.doorbells
-    for i in others:
-        if i not in bells:  # the first collective on this group: post this one's receive now
-            buffers = [torch.empty(_bell_bytes(ring), dtype=torch.uint8) for _ in range(2)]
-            bells[i] = {"posted": collections.deque([_ring_doorbell(ring, i, buffers[0])]), "free": [buffers[1]]}
-    return bells
-
-
-def _bell_bytes(ring: Ring) -> int:
-    """Capacity of a header message: room for a carried tensor at 2 ranks only (none carried at N > 2)."""
-    return DOORBELL_BYTES if ring.size == 2 else HEADER_BYTES
-
-
-def _ring_doorbell(ring: Ring, peer: int, buf: torch.Tensor) -> tuple:
-    """Post a header receive from group rank ``peer`` into ``buf``: (work, buf)."""
-    return dist.irecv(buf, ring.global_rank(peer), group=ring.group, tag=HEADER_TAG), buf

@@ -1,0 +1,161 @@
+"""The header every collective sends first: same call on every rank?  And the doorbells it rings.
+
+Note (same shapes everywhere): before moving data, every rank sends a small
+header (collective, element count, dtype, op) to every other rank and compares;
+if any rank differs, *every* rank raises the same ``ValueError`` listing all
+ranks.  Without it gloo would abort the process on a size mismatch or hang.
+Header bytes are control traffic, not counted by ``count_bytes``.
+
+Note (doorbell: the header receive is posted one collective early): gloo's
+send/recv is a rendezvous, and on a loaded 2-core machine a receive posted
+*while* the other rank's message arrives can cost a whole scheduler tick (4 ms,
+measured: gloo's event thread spins on the connection's lock while our thread,
+holding it, waits to be scheduled again).  A receive posted long before the
+message comes is the fast path (~0.1 ms).  gloo accepts a message shorter than
+the receive buffer, never a longer one, so each rank keeps one header receive per
+peer always posted, of a known capacity: the next one is posted before this
+collective's header is sent.  Own tag (``HEADER_TAG``): they never catch data.
+One set per group, kept by its comm stream (two would steal each other's headers).
+
+Note (two ranks: carry, and the room for it): with N=2 a small all-reduce rides
+*inside* the header message (``carry``): one message each way, into a receive
+posted long before.  A mismatch still raises on both ranks: both read both
+headers before anyone uses the data.  How much room must a doorbell keep?  A
+fixed 1 MB kept 2 x 1 MB per peer alive for the life of the process, on every
+rank -- even under FSDP, which never all-reduces.  So the room grows with use:
+each rank sizes its next doorbell to the largest all-reduce it has been asked
+for (up to ``CARRY_BYTES``), and *says so in its header* ("my next doorbell holds
+R bytes").  A tensor is carried when it fits both ranks' rooms -- both ranks know
+both numbers, so both decide the same way.  The first all-reduce of a new, larger
+size goes the other way (comm/early.py); from the next one on it is carried.
+
+      header k:  [kind, numel, dtype, op, extra, carried numel, room of my doorbell k+1, -]
+                  '--------- must agree on every rank ---------'
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+
+from minifsdp.comm.ring import DTYPES, KINDS, OPS, Ring
+
+__all__ = ["HEADER_TAG", "HEADER_BYTES", "CARRY_BYTES", "agree_on_header", "carry_room"]
+
+HEADER_TAG = 0x6D66  # the tag of header messages ("mf"): never matches anyone's data sends (tag 0)
+HEADER_BYTES = 64  # 8 int64: kind, numel, dtype, op, extra, carried numel, room of my next doorbell, spare
+CARRY_BYTES = 1 << 20  # 2 ranks: the largest all-reduce that may travel inside a header message
+AGREE = 6  # the first AGREE fields of a header must be equal on every rank
+
+
+def carry_room(ring: Ring) -> int:
+    """Bytes the collective about to run may carry in its header: room in both ranks' doorbells (0 if N != 2)."""
+    bell = ring.doorbells.get((ring.rank + 1) % 2) if ring.size == 2 else None
+    if bell is None:  # N != 2, or the first collective on this group
+        return 0
+    return min(bell["peer_room"], bell["posted"][0][2] - HEADER_BYTES)  # [0]: this collective's doorbell
+
+
+def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra: int = 0,
+                    carry: torch.Tensor | None = None, on_mismatch=None) -> torch.Tensor | None:
+    """Every rank tells every other rank (collective, numel, dtype, op, extra); all check they agree.
+
+    Not a ring: for 5 numbers latency is all that matters, so each rank sends its row
+    straight to each other rank, all at once: one round trip instead of N-1 ring steps.
+    Control traffic: the header's bytes are not counted by ``count_bytes`` (that counts the data).
+
+    ``carry`` (2 ranks only, at most ``carry_room(ring)`` bytes): data sent to the other rank in the
+    same message as the header; returns what the other rank carried, once the headers agree (its
+    bytes are counted, as data).  ``on_mismatch(rows)``: called with every rank's header row before
+    the ``ValueError`` is raised.
+    """
+    nbytes = 0 if carry is None else carry.numel() * carry.element_size()
+    others = [i for i in range(ring.size) if i != ring.rank]
+    bells = _doorbells(ring, others)
+    room = _next_room(ring, kind, tensor)
+    for i in others:  # the next collective's header receive, posted before the peer can have sent it
+        bells[i]["posted"].append(_post(ring, i, bells[i], HEADER_BYTES + room))
+    mine = [KINDS.index(kind), tensor.numel(), DTYPES.index(tensor.dtype), list(OPS).index(op), extra,
+            0 if carry is None else carry.numel(), room]
+    out = _buffer(ring.workspace, "bell_out", HEADER_BYTES + nbytes)
+    out[:HEADER_BYTES].view(torch.int64)[: len(mine)] = torch.tensor(mine)
+    if carry is not None:
+        out[HEADER_BYTES:HEADER_BYTES + nbytes] = carry.view(-1).view(torch.uint8)
+    sending = [dist.isend(out[:HEADER_BYTES + nbytes], ring.global_rank(i), group=ring.group, tag=HEADER_TAG)
+               for i in others]
+    rows, got = {ring.rank: mine[:AGREE]}, {}
+    for i in others:
+        work, buf, _ = bells[i]["posted"].popleft()
+        work.wait()
+        row = buf[:HEADER_BYTES].view(torch.int64)[: len(mine)].tolist()
+        rows[i], got[i], bells[i]["peer_room"] = row[:AGREE], buf, row[AGREE]
+    for work in sending:
+        work.wait()
+    received = None
+    if carry is not None and all(rows[i] == rows[ring.rank] for i in others):
+        received = ring.scratch(carry.numel(), carry)
+        received.view(torch.uint8).copy_(got[others[0]][HEADER_BYTES:HEADER_BYTES + nbytes])
+        for s in ring.stats:
+            s.sent, s.received, s.messages = s.sent + nbytes, s.received + nbytes, s.messages + 1
+    for i in others:  # read: free for the collective after next
+        bells[i]["free"].append(got[i])
+    table = [rows[i] for i in range(ring.size)]
+    if any(row != table[0] for row in table):  # (the carried numel follows from the rest)
+        if on_mismatch is not None:
+            on_mismatch(table)
+        lines = [
+            f"  rank {i}: {KINDS[k]}, {numel} elements of {DTYPES[d]}, op={list(OPS)[o]}, root={e}"
+            for i, (k, numel, d, o, e, _) in enumerate(table)
+        ]
+        raise ValueError(
+            f"{kind}: the ranks called different collectives or passed different tensors:\n" + "\n".join(lines)
+            + "\nEvery rank must call the same collective with a tensor of the same size and dtype, and the same op."
+        )
+    return received
+
+
+def _next_room(ring: Ring, kind: str, tensor: torch.Tensor) -> int:
+    """Room (bytes past the header) of this rank's next doorbells: the largest all-reduce asked for so far,
+    up to ``CARRY_BYTES``; 0 at N != 2 (nothing is carried there) and until the first all-reduce."""
+    nbytes = tensor.numel() * tensor.element_size()
+    room = ring.doorbells.get("my_room", 0)
+    if ring.size == 2 and kind == "all_reduce" and room < nbytes <= CARRY_BYTES:
+        room = ring.doorbells["my_room"] = nbytes
+    return room
+
+
+def _doorbells(ring: Ring, others: list[int]) -> dict:
+    """{group rank: {"posted": (work, buffer, capacity) in the order posted, "free": buffers to post next,
+    "peer_room": room the peer said its next doorbell has}}, and "my_room": the room of ours.
+
+    Two buffers per peer: between collectives one receive is posted (this collective's) and one
+    buffer is free; each collective first posts the next one's, then sends its header.  The peer
+    cannot send header k+1 before it has read our header k, so receive k+1 is always posted first.
+    """
+    bells = ring.doorbells
+    for i in others:
+        if i not in bells:  # the first collective on this group: post this one's receive now (no room yet)
+            bells[i] = {"posted": collections.deque(), "peer_room": 0,
+                        "free": [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in range(2)]}
+            bells[i]["posted"].append(_post(ring, i, bells[i], HEADER_BYTES))
+    return bells
+
+
+def _post(ring: Ring, peer: int, bell: dict, capacity: int) -> tuple:
+    """Post a header receive of ``capacity`` bytes from group rank ``peer`` into a free buffer (grown if
+    too small): (work, buffer, capacity)."""
+    buf = bell["free"].pop()
+    if buf.numel() < capacity:
+        buf = torch.empty(capacity, dtype=torch.uint8)
+    work = dist.irecv(buf[:capacity], ring.global_rank(peer), group=ring.group, tag=HEADER_TAG)
+    return work, buf, capacity
+
+
+def _buffer(store: dict, key: str, nbytes: int) -> torch.Tensor:
+    """``store[key]``, a uint8 buffer of at least ``nbytes`` (replaced by a bigger one when asked)."""
+    buf = store.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = store[key] = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
