@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.comm import collectives as C
-from minifsdp.comm.ring import chunk_bounds
 from minifsdp.comm.header import HEADER_BYTES
+from minifsdp.comm.ring import chunk_bounds
 from minifsdp.comm.stream import stream_for
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
