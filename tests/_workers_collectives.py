@@ -304,8 +304,9 @@ def _check_carry_room(fails):
         C.EarlyExchange = real
     if len(swaps) != 1:
         fails.append(f"two all-reduces of 4000 B: {len(swaps)} went by the swap path, want 1 (the second is carried)")
-    if kept() != 3 * (HEADER_BYTES + 4000):
-        fails.append(f"after all-reduces of 4000 B the header buffers hold {kept()} B, want {3 * (HEADER_BYTES + 4000)}")
+    want = 3 * (HEADER_BYTES + 4000)
+    if kept() != want:
+        fails.append(f"after all-reduces of 4000 B the header buffers hold {kept()} B, want {want}")
 
 
 def _check_facade(fails):
