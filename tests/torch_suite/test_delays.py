@@ -41,7 +41,7 @@ from minifsdp.fsdp.handle import FlatParamHandle
 from tests.torch_suite import _harness as H
 from tests.torch_suite import _workers as W
 
-DELAY_MS = 100  # torch uses 250; 100 ms is far longer than any of these tiny collectives takes
+DELAY_MS = 25  # torch uses 250; 25 ms is far longer than any of these tiny collectives takes
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
 
 
@@ -115,7 +115,8 @@ def case_late_ring_reductions(api, strategy, orig=False, forget_wait=False):
     if not api.ours:
         W.ddp_parity(api, NestedWrappedModule, kw)
         return
-    with late_ring_reductions(DELAY_MS / 1000, forget_wait=forget_wait):
+    late_ms = 250 if forget_wait else DELAY_MS  # the planted fault must be caught even on a loaded machine
+    with late_ring_reductions(late_ms / 1000, forget_wait=forget_wait):
         W.ddp_parity(api, NestedWrappedModule, dict(kw, collectives="ring"))
 
 
