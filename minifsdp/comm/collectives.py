@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minifsdp.comm.early import EarlyExchange, fill_peer_receives
+from minifsdp.comm.early import EarlyExchange, fill_early_receives
 from minifsdp.comm.header import CARRY_BYTES, agree_on_header, carry_room
 from minifsdp.comm.ring import (
     DTYPES,
@@ -63,6 +63,7 @@ from minifsdp.comm.ring import (
     all_reduce_in_place,
     chunk_bounds,
     count_bytes,
+    first_receives,
     reduce_scatter_chunks,
 )
 from minifsdp.comm.stream import Work, stream_for
@@ -143,12 +144,17 @@ def _run(name: str, group, job, async_op: bool) -> Work | None:
     return None
 
 
-def _fill(ring: Ring):
-    """On a header mismatch at N=2: fill the data receives the peer may have posted early (early.py)."""
-    if ring.size != 2:
-        return None
+def _fill(ring: Ring, posted: list | None = None):
+    """On a header mismatch: fill the data receives the next rank may have posted early (early.py), then
+    wait for ours (``posted``: (work, ...) tuples), which the rank before fills the same way."""
     room = carry_room(ring)  # now: once the headers are read it is the next collective's
-    return lambda rows: fill_peer_receives(ring, rows, room)
+
+    def fill(rows: list[list[int]]) -> None:
+        fill_early_receives(ring, rows, room)
+        for work, *_ in posted or ():
+            work.wait()
+
+    return fill
 
 
 # ----------------------------------------------------------------------------- public collectives
@@ -170,10 +176,10 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
             if op == "avg":
                 flat.div_(2)
             return
-        small = ring.size == 2
-        received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat if small else None,
-                                   on_mismatch=_fill(ring))
-        all_reduce_in_place(ring, flat, op, received=received)
+        first = first_receives(ring, flat) if ring.size > 2 else None  # posted before the header (ring.py)
+        received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat if ring.size == 2 else None,
+                                   on_mismatch=_fill(ring, first))
+        all_reduce_in_place(ring, flat, op, received=received, first=first)
 
     return _run("ring_all_reduce", group, job, async_op)
 

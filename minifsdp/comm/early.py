@@ -33,9 +33,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minifsdp.comm.ring import DTYPES, KINDS, MAX_PIECES, PIECE_BYTES, Ring, chunk_bounds
+from minifsdp.comm.ring import (
+    DTYPES,
+    KINDS,
+    MAX_PIECES,
+    PIECE_BYTES,
+    Ring,
+    chunk_bounds,
+    pieces_of,
+    reduce_scatter_chunks,
+)
 
-__all__ = ["SWAP_TAG", "swap_sizes", "early_numel", "early_receives", "EarlyExchange", "fill_peer_receives"]
+__all__ = ["SWAP_TAG", "swap_sizes", "early_numel", "early_receives", "EarlyExchange", "fill_early_receives"]
 
 SWAP_TAG = 0x6D67  # the tag of the two-rank swap's data (and of mismatch fillers)
 
@@ -58,10 +67,19 @@ def early_numel(kind: str, numel: int, itemsize: int, room: int) -> int:
     return numel if kind == "all_reduce" and numel * itemsize > room else 0
 
 
-def early_receives(row: list[int], room: int) -> int:
-    """How many receives a rank whose header row is ``row`` posted early (0: none), given the carry room."""
+def early_receives(row: list[int], room: int, n: int, rank: int) -> tuple[int, int]:
+    """(how many receives, on which tag) group rank ``rank`` of ``n``, whose header row is ``row``, posted
+    early from the rank before it, given the carry room: the swap's at N=2, step 0 of a ring all-reduce
+    at N > 2 (:func:`minifsdp.comm.ring.first_receives`); (0, 0) for any other collective."""
     itemsize = DTYPES[row[2]].itemsize
-    return len(swap_sizes(early_numel(KINDS[row[0]], row[1], itemsize, room), itemsize))
+    if n == 2:
+        return len(swap_sizes(early_numel(KINDS[row[0]], row[1], itemsize, room), itemsize)), SWAP_TAG
+    if KINDS[row[0]] != "all_reduce":
+        return 0, 0
+    bounds = chunk_bounds(row[1], n)
+    start, stop = bounds[reduce_scatter_chunks(rank, n, 0)[1]]
+    k = pieces_of(bounds, PIECE_BYTES, itemsize)
+    return sum(1 for a, b in chunk_bounds(stop - start, k) if b > a), 0
 
 
 class EarlyExchange:
@@ -91,17 +109,17 @@ class EarlyExchange:
 
     def cancel(self, rows: list[list[int]]) -> None:
         """The headers disagree: fill the peer's early receives with one-byte messages; wait for ours."""
-        fill_peer_receives(self.ring, rows, self.room)
+        fill_early_receives(self.ring, rows, self.room)
         for work in self.receiving:  # the peer fills them the same way
             work.wait()
 
 
-def fill_peer_receives(ring: Ring, rows: list[list[int]], room: int) -> None:
-    """On a mismatch: fill what the peer posted early (if anything), known from its header row and the
-    carry room (both ranks computed the same ``room`` before the headers: comm/header.py)."""
-    other = (ring.rank + 1) % 2
+def fill_early_receives(ring: Ring, rows: list[list[int]], room: int) -> None:
+    """On a mismatch: fill what the next rank posted early (if anything), known from its header row and
+    the carry room (every rank computed the same ``room`` before the headers: comm/header.py)."""
+    after = (ring.rank + 1) % ring.size
+    count, tag = early_receives(rows[after], room, ring.size, after)
     filler = torch.zeros(1, dtype=torch.uint8)
-    sending = [dist.isend(filler, ring.global_rank(other), group=ring.group, tag=SWAP_TAG)
-               for _ in range(early_receives(rows[other], room))]
+    sending = [dist.isend(filler, ring.global_rank(after), group=ring.group, tag=tag) for _ in range(count)]
     for work in sending:
         work.wait()

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 __all__ = [
     "chunk_bounds", "reduce_scatter_chunks", "all_gather_chunks", "ByteStats", "count_bytes", "active_stats",
-    "Ring", "all_gather_in_place", "reduce_scatter_in_place", "all_reduce_in_place"
+    "Ring", "all_gather_in_place", "reduce_scatter_in_place", "all_reduce_in_place", "first_receives",
 ]
 
 OPS = {"sum": "sum", "avg": "avg"}
@@ -222,30 +222,23 @@ def all_gather_in_place(ring: Ring, flat: torch.Tensor, bounds, piece_bytes: int
         work.wait()
 
 
-def reduce_scatter_in_place(ring: Ring, flat: torch.Tensor, bounds, piece_bytes: int = 0) -> None:
+def reduce_scatter_in_place(ring: Ring, flat: torch.Tensor, bounds, piece_bytes: int = 0,
+                            first: list | None = None) -> None:
     """Ring reduce-scatter on ``flat``: afterwards chunk r of rank r holds the sum over ranks.
 
     Receives go to two scratch halves used in turn, so the receives of step s+1 are already
     posted while we add the pieces of step s; each piece is forwarded as soon as it is added
-    (pipelined: the next piece is on the wire while we add this one).
+    (pipelined: the next piece is on the wire while we add this one).  ``first``: step 0's
+    receives, already posted by :func:`first_receives` (before the header was even sent).
     """
     n, r = ring.size, ring.rank
     if n == 1:
         return
-    width = bounds[0][1] - bounds[0][0]  # chunk 0 is never shorter than the others
     k = pieces_of(bounds, piece_bytes or PIECE_BYTES, flat.element_size())
-    halves = [ring.scratch(2 * width, flat)[i * width : (i + 1) * width] for i in range(2)]
-
-    def post_receives(s: int) -> list[tuple]:
-        """(work, where it lands, the piece of flat to add it into) for each piece of step ``s``."""
-        into = _pieces(flat, bounds, reduce_scatter_chunks(r, n, s)[1], k)
-        inbox = halves[s % 2][: sum(p.numel() for p in into)].split([p.numel() for p in into])
-        return [(ring.irecv(box, r - 1), box, piece) for box, piece in zip(inbox, into)]
-
-    receiving = post_receives(0)
+    receiving = first if first is not None else _rs_receives(ring, flat, bounds, k, 0)
     sending = [ring.isend(p, r + 1) for p in _pieces(flat, bounds, reduce_scatter_chunks(r, n, 0)[0], k)]
     for s in range(n - 1):
-        coming = post_receives(s + 1) if s + 1 < n - 1 else []  # the half used at step s-1 is free
+        coming = _rs_receives(ring, flat, bounds, k, s + 1) if s + 1 < n - 1 else []  # step s-1's half is free
         for work, box, piece in receiving:
             work.wait()
             piece.add_(box)
@@ -256,8 +249,30 @@ def reduce_scatter_in_place(ring: Ring, flat: torch.Tensor, bounds, piece_bytes:
         work.wait()
 
 
+def first_receives(ring: Ring, flat: torch.Tensor, piece_bytes: int = 0) -> list[tuple]:
+    """Post the receives of a ring all-reduce's step 0 on ``flat`` now; pass them to the reduce-scatter.
+
+    Why early: gloo's send is a rendezvous (Note at the top), and step 0's data leaves the previous
+    rank the moment it has read every header.  Posted before our own header is sent, the receive is
+    always there first.  If the headers then disagree, the previous rank fills them
+    (:func:`minifsdp.comm.early.fill_early_receives`); their bytes were counted when posted.
+    """
+    bounds = chunk_bounds(flat.numel(), ring.size)
+    return _rs_receives(ring, flat, bounds, pieces_of(bounds, piece_bytes or PIECE_BYTES, flat.element_size()), 0)
+
+
+def _rs_receives(ring: Ring, flat: torch.Tensor, bounds, k: int, s: int) -> list[tuple]:
+    """Post reduce-scatter step ``s``'s receives into scratch half s % 2: (work, where it lands, piece of
+    flat to add it into) for each of the ``k`` pieces (empty pieces are not sent, so not posted either)."""
+    width = bounds[0][1] - bounds[0][0]  # chunk 0 is never shorter than the others
+    half = ring.scratch(2 * width, flat)[(s % 2) * width : (s % 2 + 1) * width]
+    into = _pieces(flat, bounds, reduce_scatter_chunks(ring.rank, ring.size, s)[1], k)
+    inbox = half[: sum(p.numel() for p in into)].split([p.numel() for p in into])
+    return [(ring.irecv(box, ring.rank - 1), box, piece) for box, piece in zip(inbox, into)]
+
+
 def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_bytes: int = 0,
-                        received: torch.Tensor | None = None) -> None:
+                        received: torch.Tensor | None = None, first: list | None = None) -> None:
     """Ring all-reduce of the 1-D ``flat`` (in place): a reduce-scatter then an all-gather.
 
     At N=2 with ``received`` (the other rank's tensor, carried in its header) it only adds;
@@ -276,7 +291,7 @@ def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_b
             flat.div_(n)
         return
     bounds = chunk_bounds(flat.numel(), n)
-    reduce_scatter_in_place(ring, flat, bounds, piece_bytes)
+    reduce_scatter_in_place(ring, flat, bounds, piece_bytes, first)
     if op == "avg" and n > 1:  # divide once, on the chunk this rank owns, so every rank gets the same bits
         flat[slice(*bounds[ring.rank])].div_(n)
     all_gather_in_place(ring, flat, bounds, piece_bytes)
