@@ -13,9 +13,15 @@ measured: gloo's event thread spins on the connection's lock while our thread,
 holding it, waits to be scheduled again).  A receive posted long before the
 message comes is the fast path (~0.1 ms).  gloo accepts a message shorter than
 the receive buffer, never a longer one, so each rank keeps one header receive per
-peer always posted, of a known capacity: the next one is posted before this
-collective's header is sent.  Own tag (``HEADER_TAG``): they never catch data.
-One set per group, kept by its comm stream (two would steal each other's headers).
+peer always posted, of a known capacity.  *When* to post the next one matters as
+much: the moment this collective's header from that peer has been read.  The line
+is quiet then (the peer's next header comes only after it has read ours and
+finished this collective), while posting it before sending our own header met the
+peer's header arriving, on the same lock (cProfile, 2 ranks, 64 KB back to back:
+posting cost 0.69 ms a call, and 1.7 ms -> 0.7 ms per all-reduce once moved).  If
+the next header does come first, gloo holds it until the receive is posted: slower,
+never wrong.  Own tag (``HEADER_TAG``): they never catch data.  One set per group,
+kept by its comm stream (two would steal each other's headers).
 
 Note (two ranks: carry, and the room for it): with N=2 a small all-reduce rides
 *inside* the header message (``carry``): one message each way, into a receive
@@ -75,8 +81,6 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
     others = [i for i in range(ring.size) if i != ring.rank]
     bells = _doorbells(ring, others)
     room = _next_room(ring, kind, tensor)
-    for i in others:  # the next collective's header receive, posted before the peer can have sent it
-        bells[i]["posted"].append(_post(ring, i, bells[i], HEADER_BYTES + room))
     mine = [KINDS.index(kind), tensor.numel(), DTYPES.index(tensor.dtype), list(OPS).index(op), extra,
             0 if carry is None else carry.numel(), room]
     out = _buffer(ring.workspace, "bell_out", HEADER_BYTES + nbytes)
@@ -91,6 +95,7 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
         work.wait()
         row = buf[:HEADER_BYTES].view(torch.int64)[: len(mine)].tolist()
         rows[i], got[i], bells[i]["peer_room"] = row[:AGREE], buf, row[AGREE]
+        bells[i]["posted"].append(_post(ring, i, bells[i], HEADER_BYTES + room))  # the next collective's
     for work in sending:
         work.wait()
     received = None
@@ -131,8 +136,7 @@ def _doorbells(ring: Ring, others: list[int]) -> dict:
     "peer_room": room the peer said its next doorbell has}}, and "my_room": the room of ours.
 
     Two buffers per peer: between collectives one receive is posted (this collective's) and one
-    buffer is free; each collective first posts the next one's, then sends its header.  The peer
-    cannot send header k+1 before it has read our header k, so receive k+1 is always posted first.
+    buffer is free; each collective reads the peer's header, then posts the next one's receive.
     """
     bells = ring.doorbells
     for i in others:
