@@ -6,7 +6,9 @@ of 4), the two all-reduces take turns (which goes first alternates), each timed 
     barrier -> t0 -> all_reduce -> t1      time = max over ranks of (t1 - t0)
 
 (the slowest rank is when the collective is done for everyone), median of the repeats
-after a warm-up.  Big sizes get fewer repeats so the whole bench stays within minutes.
+after a warm-up.  Big sizes get fewer repeats so the whole bench stays within minutes.  The
+sweep over sizes runs three times and each size's median is over all three: on a shared 2-core
+VM a slow minute then touches every size a little instead of one size wholly.
 
 Bus bandwidth = 2(N-1)/N x bytes / time: the bytes each rank really puts on the wire in a
 ring all-reduce, per second.  It makes different N comparable; for a bandwidth-bound ring
@@ -45,6 +47,7 @@ KB = 1024
 LATENCY_MAX = 64 * KB  # up to here a message is latency-bound on loopback: report microseconds
 BANDWIDTH_MIN = KB * KB  # from here: report bus bandwidth
 IMPLS = ("ours", "gloo")
+ROUNDS = 3  # sweeps over all sizes per world size (each with its share of the repeats)
 
 
 def bench_sizes(max_mb: float) -> list[int]:
@@ -68,8 +71,8 @@ def _repeats(nbytes: int) -> tuple[int, int]:
     if nbytes <= 256 * KB:  # a small message costs a scheduler tick or two: many repeats for a stable median
         return 5, 60
     if nbytes <= 4 * KB * KB:
-        return 3, 20
-    return 2, 10
+        return 3, 40
+    return 2, 30  # a 16 MB median over 10 moved by 0.2 from run to run on a busy 2-core VM
 
 
 def _time_once(fn, tensor) -> float:
@@ -81,23 +84,26 @@ def _time_once(fn, tensor) -> float:
     return elapsed.item()
 
 
-def _bench_rank(sizes: list[int]) -> list[dict]:
-    """Body of each rank: every size, both implementations, interleaved."""
+def _bench_rank(sizes: list[int], rounds: int = ROUNDS) -> list[dict]:
+    """Body of each rank: every size, both implementations, interleaved; the sweep over sizes ``rounds``
+    times, so a slow minute on the machine touches every size a little, not one size wholly."""
     n = dist.get_world_size()
     impls = {"ours": lambda t: ring_all_reduce(t), "gloo": lambda t: dist.all_reduce(t)}
+    times = {nbytes: {name: [] for name in impls} for nbytes in sizes}
+    tensors = {nbytes: torch.zeros(nbytes // 4) for nbytes in sizes}  # zeros: the sums stay finite
+    for _ in range(rounds):
+        for nbytes in sizes:
+            warmup, repeats = _repeats(nbytes)
+            for i in range(warmup + -(-repeats // rounds)):
+                order = list(impls) if i % 2 == 0 else list(reversed(impls))
+                for name in order:
+                    seconds = _time_once(impls[name], tensors[nbytes])
+                    if i >= warmup:
+                        times[nbytes][name].append(seconds)
     rows = []
     for nbytes in sizes:
-        tensor = torch.zeros(nbytes // 4)  # zeros: the sums stay finite over every repeat
-        warmup, repeats = _repeats(nbytes)
-        times: dict[str, list[float]] = {name: [] for name in impls}
-        for i in range(warmup + repeats):
-            order = list(impls) if i % 2 == 0 else list(reversed(impls))
-            for name in order:
-                seconds = _time_once(impls[name], tensor)
-                if i >= warmup:
-                    times[name].append(seconds)
-        row = {"world_size": n, "bytes": nbytes, "repeats": repeats}
-        for name, ts in times.items():
+        row = {"world_size": n, "bytes": nbytes, "repeats": len(times[nbytes]["ours"])}
+        for name, ts in times[nbytes].items():
             median = statistics.median(ts)
             row[f"{name}_s"] = median
             row[f"{name}_busbw_GBps"] = bus_bandwidth(nbytes, n, median) / 1e9
