@@ -94,8 +94,14 @@ TRAINERS = ("ours_torch", "ours_ring", "fsdp1", "fsdp2", "ours_fsdp2", "ddp")
 REFERENCE = "fsdp1"
 REFERENCE_FSDP2 = "fsdp2"  # the second reference: per-parameter sharding, ours against torch's
 CONFIGS = {"bench": GPTConfig.bench, "small": GPTConfig.small, "tiny": GPTConfig.tiny}
-# issue 16: step time <= 0.9x torch FSDP1's, peak per rank <= min(FSDP1's, FSDP2's) (each where measured)
-AIMS = {"ours_torch": 0.9, "ours_ring": 0.9}
+# issue 16: step time <= 0.9x torch FSDP1's on the small config and ahead of it (< 1x) on the others;
+# peak per rank <= min(FSDP1's, FSDP2's) on every config (each where measured)
+AIMS = {"ours_torch": 0.9, "ours_ring": 0.9}  # the small config's; elsewhere 1.0 (time_aim)
+
+
+def time_aim(trainer: str, config: str) -> float:
+    """The step-time ratio to torch FSDP1 that ``trainer`` aims at on ``config``."""
+    return AIMS[trainer] if config == "small" else 1.0
 SHORT = {"parameters": "shards", "gradients": "grads", "optimizer_state": "adam", "buffers": "buffers",
          "unsharded_parameters": "gathered", "activations": "activations", "other": "other"}
 # glibc: every block of 64 KiB or more gets its own mapping, unmapped when freed.  By default glibc raises this
@@ -322,16 +328,17 @@ def format_breakdowns(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], config: str = "small") -> str:
     head = (f"{'N':>2} {'trainer':<11} {'step ms':>9} {'x FSDP1':>8} {'x FSDP2':>8} {'cpu ms':>9} {'x FSDP1':>8} "
             f"{'peak MB':>9} {'x FSDP1':>8} {'x FSDP2':>8} {'census MB':>9} {'RSS+ MB':>8} {'state MB':>9}  aim")
     lines = [head]
     for r in rows:
         aim = ""
         if r["trainer"] in AIMS and r["time_ratio"] is not None:
-            ok_t = r["time_ratio"] <= AIMS[r["trainer"]]
+            goal = time_aim(r["trainer"], config)
+            ok_t = r["time_ratio"] <= goal if goal < 1 else r["time_ratio"] < goal
             ok_m = r["peak_ratio_best_torch"] <= 1
-            aim = (f"time <= {AIMS[r['trainer']]}x: {'ok' if ok_t else 'MISSED'}; "
+            aim = (f"time {'<=' if goal < 1 else '<'} {goal}x: {'ok' if ok_t else 'MISSED'}; "
                    f"peak <= torch's best: {'ok' if ok_m else 'MISSED'}")
         ratio = lambda v: f"{v:>8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
         mb = lambda v, w: f"{v / 2**20:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
@@ -370,7 +377,7 @@ def run_fsdp_bench(args) -> int:
         memory = _spawn_with_env(MALLOC_ENV, memory_rank, args=(args.config, names, args.batch_size),
                                  world_size=n, timeout_s=3600, threads_per_rank=1)
         rows += summarize(n, [{**r, "memory": m} for r, m in zip(results, memory)], names)
-    print(format_table(rows))
+    print(format_table(rows, args.config))
     print(format_breakdowns(rows))
     print(f"({time.perf_counter() - started:.0f} s; ratios are to torch FSDP1 (and FSDP2) in the same run: "
           f"below 1 is faster / smaller; load average {load_average():.1f} on {os.cpu_count()} CPUs: "
