@@ -1,7 +1,8 @@
-"""Two ranks: the all-reduce's data receive is posted *before* the header exchange.
+"""Data receives posted *before* the header exchange, and what happens to them on a mismatch.
 
-Used by :func:`minifsdp.comm.collectives.ring_all_reduce` at N=2 for tensors too big to ride
-in the header message (more than ``carry_room(ring)``); smaller ones are carried (comm/header.py).
+Used by :func:`minifsdp.comm.collectives.ring_all_reduce`: at N=2 for tensors too big to ride in
+the header message (more than ``carry_room(ring)``; smaller ones are carried: comm/header.py), the
+whole swap (:class:`EarlyExchange`); at N > 2 the ring's step 0 (:func:`minifsdp.comm.ring.first_receives`).
 
 Note (speculative receive): gloo's send/recv is a rendezvous, and on a loaded 2-core machine a
 receive posted at about the moment the other rank's message arrives can cost a whole scheduler
@@ -20,12 +21,13 @@ clearly is fewer messages: ``CARRY_BYTES`` became 1 MB (was 128 KB), so up to 1 
 all-reduce is one message each way, the header's (bench, N=2: 256 KB ~3 ms -> ~0.8-1.1 ms).
 
 Note (a mismatch): if the headers disagree no data is sent, but a receive posted early is
-still waiting, and it would swallow the peer's next message.  Each rank knows from the peer's
-header whether (and how many) receives the peer posted early (:func:`early_receives`), so it
+still waiting, and it would swallow the next message.  Each rank knows from the next rank's
+header whether (and how many) receives that rank posted early (:func:`early_receives`), so it
 sends that many one-byte fillers (gloo accepts a message shorter than the receive), waits for
 its own receives to be filled the same way, and only then raises.  Both ranks raise the same
-``ValueError``, and nothing is left posted.  Own tag (``SWAP_TAG``): fillers and data never
-meet headers or the ring's messages.
+``ValueError``, and nothing is left posted.  The swap has its own tag (``SWAP_TAG``): its
+fillers and data never meet headers or the ring's messages; the ring's step-0 fillers use the
+ring's data tag, and are the only message on it before the error.
 """
 
 from __future__ import annotations
