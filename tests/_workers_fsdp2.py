@@ -177,10 +177,54 @@ def misuse() -> list[tuple[str, str, str]]:
     return out
 
 
+def grads_freed_before_reduce_scatter(fault: str | None = None) -> dict:
+    """Are a group's full gradients dead when its reduce-scatter starts (torch FSDP2 clears them after the
+    copy-in)?  Weak references to every full gradient handed to ``reduce_scatter_grads``, checked inside the
+    reduce-scatter: one still alive *and* referred to by a Python object is kept by us.  (Autograd's engine
+    may still hold the last one it computed, from C++, with no Python referrer: that one is not ours to free.)
+    ``fault="keep"`` plants the bug: a list that still holds them (as ``del`` of a local name did, while the
+    caller's list held them).  Returns {"kept": full grads kept by a Python object at a reduce-scatter,
+    "alive": alive at all, "handed": full grads handed over, "reduce_scatters": calls}."""
+    import gc
+    import weakref
+    from unittest import mock
+
+    from minifsdp.comm.collectives import TorchCollectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _shard(TinyGPT(GPTConfig.tiny(), seed=0), "ours", {}, None)
+    report, handed, kept = {"kept": 0, "alive": 0, "handed": 0, "reduce_scatters": 0}, [], []
+    real_group_rs, real_rs = ours_param_group.FSDPParamGroup.reduce_scatter_grads, TorchCollectives.reduce_scatter
+
+    def group_rs(self, params, grads):
+        handed[:] = [weakref.ref(g) for g in grads]
+        report["handed"] += len(grads)
+        if fault == "keep":
+            kept.extend(grads)
+        return real_group_rs(self, params, grads)
+
+    def rs(self, *args, **kwargs):
+        alive = [g for g in (r() for r in handed) if g is not None]
+        report["alive"] += len(alive)
+        report["kept"] += sum(any(x is not alive for x in gc.get_referrers(g)) for g in alive)
+        report["reduce_scatters"] += 1
+        return real_rs(self, *args, **kwargs)
+
+    with mock.patch.object(ours_param_group.FSDPParamGroup, "reduce_scatter_grads", group_rs), \
+            mock.patch.object(TorchCollectives, "reduce_scatter", rs):
+        x, y = CharCorpus(vocab_size=model.cfg.vocab_size).batch(0, batch_size=2, block_size=model.cfg.block_size,
+                                                                  rank=rank, world_size=world)
+        model(x, y).backward()
+    return report
+
+
 def parity_cases(cases: dict[str, dict]) -> dict[str, dict]:
     """Several :func:`parity` cases in one spawn (one mesh, one process start): name -> result."""
     out = {}
     for name, case in cases.items():
         torch.manual_seed(0)
-        out[name] = misuse() if case.get("misuse") else parity(case)
+        if "frees" in case:
+            out[name] = grads_freed_before_reduce_scatter(case["frees"])
+        else:
+            out[name] = misuse() if case.get("misuse") else parity(case)
     return out

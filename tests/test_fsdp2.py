@@ -41,6 +41,8 @@ CASES_2 = {
     "prefetch": {"cfg": {"n_layer": 3}, "prefetch": True},
     "ring": {"collectives": "ring"},
     "misuse": {"misuse": True},
+    "frees": {"frees": None},
+    "frees_planted": {"frees": "keep"},
 }
 CASES_3 = {"odd": {"cfg": ODD, "steps": 2}, "ring_odd": {"collectives": "ring", "cfg": ODD, "steps": 2}}
 CASES_4 = {"hsdp_odd": {"mesh": (2, 2), "ours_mesh": True, "cfg": ODD, "steps": 2},
@@ -260,6 +262,17 @@ def test_int_reshard_after_forward_world_4(ranks4):
     forward, backward = gathers[:3], gathers[3:6]  # root, b0, b1; in backward root (resharded too), b1, b0
     assert backward == [2 * forward[0], 2 * forward[2], 2 * forward[1]]
     assert len(gathers) == 12  # 2 steps
+
+
+def test_full_grads_are_freed_before_the_reduce_scatter(ranks2):
+    """Ours frees a group's full gradients once they are copied into the reduce-scatter input, as torch FSDP2
+    (``unsharded_grads.clear()``); bench fsdp, 19M, 2 ranks: ours_fsdp2's peak 1.027x -> 0.983x torch FSDP2's."""
+    for r in ranks2:
+        got, planted = r["frees"], r["frees_planted"]
+        assert got["reduce_scatters"] > 0 and got["handed"] > 0, got
+        assert got["kept"] == 0, got  # no full gradient handed over is kept by us at its reduce-scatter
+        assert got["alive"] <= got["reduce_scatters"], got  # at most autograd's last one per group, from C++
+        assert planted["kept"] == planted["handed"] > 0, planted  # the check sees a list that keeps them
 
 
 def test_misuse_is_refused_with_a_reason(ranks2):

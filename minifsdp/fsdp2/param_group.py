@@ -164,7 +164,7 @@ class FSDPParamGroup:
             for r, chunk in enumerate(g.split(p.padded_rows)):  # rank r's rows (the last may be short)
                 chunks[r, : chunk.shape[0]].copy_(chunk)
             offset += m
-        del grads
+        grads.clear()  # the caller's list too: the full grads are copied in, free them before the reduce-scatter
         replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
         op, before, after = reduce_scatter_op(n * replicas, reduce_dtype)  # divide by all data-parallel ranks
         if before is not None and before != 1:
