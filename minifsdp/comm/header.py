@@ -1,10 +1,11 @@
 """The header every collective sends first: same call on every rank?  And the doorbells it rings.
 
-Note (same shapes everywhere): before moving data, every rank sends a small
-header (collective, element count, dtype, op) to every other rank and compares;
-if any rank differs, *every* rank raises the same ``ValueError`` listing all
-ranks.  Without it gloo would abort the process on a size mismatch or hang.
-Header bytes are control traffic, not counted by ``count_bytes``.
+Note (same shapes everywhere): before moving data, every rank's small header
+(collective, element count, dtype, op) reaches every other rank (Note (who speaks
+first) says by which road), and each compares; if any rank differs, *every*
+rank raises the same ``ValueError`` listing all ranks.  Without it gloo would
+abort the process on a size mismatch or hang.  Header bytes are control traffic,
+not counted by ``count_bytes``.
 
 Note (doorbell: the header receive is posted one collective early): gloo's
 send/recv is a rendezvous, and on a loaded 2-core machine a receive posted
@@ -160,8 +161,8 @@ def _star(ring: Ring, out: torch.Tensor, mine: list[int]) -> list[list[int]]:
 
 def _read(ring: Ring, peer: int, next_capacity: int) -> torch.Tensor:
     """Wait for the message from group rank ``peer`` in this collective's doorbell, then post the next
-    collective's (of ``next_capacity`` bytes: the line is quiet now).  The buffer is read before the
-    collective after next reuses it."""
+    collective's (of ``next_capacity`` bytes: the line is quiet now).  The buffer returned goes back to
+    the free ones: the next collective posts it again, once this one has read it."""
     bell = _doorbell(ring, peer)
     work, buf, _ = bell["posted"].popleft()
     work.wait()
