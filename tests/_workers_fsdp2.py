@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import weakref
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import minifsdp.fsdp2.param_group as ours_param_group
+from minifsdp.comm.collectives import TorchCollectives
 from minifsdp.fsdp2 import MixedPrecisionPolicy, fully_shard
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
 
@@ -185,12 +189,6 @@ def grads_freed_before_reduce_scatter(fault: str | None = None) -> dict:
     ``fault="keep"`` plants the bug: a list that still holds them (as ``del`` of a local name did, while the
     caller's list held them).  Returns {"kept": full grads kept by a Python object at a reduce-scatter,
     "alive": alive at all, "handed": full grads handed over, "reduce_scatters": calls}."""
-    import gc
-    import weakref
-    from unittest import mock
-
-    from minifsdp.comm.collectives import TorchCollectives
-
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _shard(TinyGPT(GPTConfig.tiny(), seed=0), "ours", {}, None)
     report, handed, kept = {"kept": 0, "alive": 0, "handed": 0, "reduce_scatters": 0}, [], []

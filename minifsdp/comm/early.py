@@ -63,8 +63,8 @@ def early_numel(kind: str, numel: int, itemsize: int, room: int) -> int:
     """Elements a rank receives early at N=2 for collective ``kind`` on a header tensor of ``numel`` (0: none).
 
     Only an all-reduce above ``room``, the carry room both ranks agreed on (smaller ones ride in the
-    header message: comm/header.py).  Reduce-scatter
-    and all-gather could do the same, but measured no clear gain (see the commit message), so they don't.
+    header message: comm/header.py).  Reduce-scatter and all-gather could do the same, but measured
+    no clear gain (see the commit message), so they don't.
     """
     return numel if kind == "all_reduce" and numel * itemsize > room else 0
 
