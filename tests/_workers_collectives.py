@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.comm import collectives as C
+from minifsdp.comm import ring as R
 from minifsdp.comm.header import HEADER_BYTES
 from minifsdp.comm.ring import chunk_bounds
 from minifsdp.comm.stream import stream_for
@@ -71,6 +72,32 @@ def _check_exact(fails, groups):
                     C.naive_all_reduce(naive, group=g, root=k - 1)
                     if not torch.equal(naive, exact):
                         fails.append(f"naive sum != exact sum: {where}")
+
+
+def _check_pieces(fails, groups):
+    """Tensors big enough that chunks move in several pipelined pieces (ring.py, PIECE_BYTES), sizes no
+    world size divides; at N=2 both the swap (what ring_all_reduce runs) and the ring itself."""
+    me = dist.get_rank()
+    numel = 5 * (1 << 18) + 7  # 5 MB of float32: N=2 swaps 5 pieces; N=3 chunks of 2 pieces, N=4 too
+    for members, g in groups:
+        k = len(members)
+        if k not in (2, 3, 4) and members != [2, 5, 7]:
+            continue
+        where = f"N={k} members={members} numel={numel}"
+        exact = _exact_sum(members, numel, torch.float32)
+        ours, avg = _data(me, numel, torch.float32), _data(me, numel, torch.float32)
+        C.ring_all_reduce(ours, group=g)
+        C.ring_all_reduce(avg, op="avg", group=g)
+        if not torch.equal(ours, exact):
+            fails.append(f"ring sum != exact sum: {where}, {(ours != exact).sum().item()} elements differ")
+        if not torch.equal(avg, exact / k):  # divided once by the chunk's owner, then gathered: bitwise
+            fails.append(f"ring avg != exact sum / N: {where}")
+        if k == 2:  # the ring at 2 ranks (ring_all_reduce swaps instead: comm/early.py)
+            ring = R.Ring(g, ())
+            flat = _data(me, numel, torch.float32)
+            R.all_reduce_in_place(ring, flat, "avg")
+            if not torch.equal(flat, exact / 2):
+                fails.append(f"ring.all_reduce_in_place at 2 ranks != exact sum / 2: {where}")
 
 
 def _check_rs_ag(fails, groups):
@@ -335,6 +362,7 @@ def run_all() -> dict[str, list[str]]:
     t0 = time.perf_counter()
     for name, check in [
         ("exact", lambda f: _check_exact(f, groups)),
+        ("pieces", lambda f: _check_pieces(f, groups)),
         ("rs_ag", lambda f: _check_rs_ag(f, groups)),
         ("random_floats", _check_random_floats),
         ("async", _check_async),

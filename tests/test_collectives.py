@@ -24,6 +24,7 @@ def report():
     "check",
     [
         "exact",  # ring and naive all-reduce, N = 1..8, every size, 4 dtypes, sum and avg: bitwise
+        "pieces",  # 5 MB all-reduces, chunks in pipelined pieces, N = 2, 3, 4: sum and avg bitwise
         "rs_ag",  # reduce-scatter and all-gather vs exact and vs gloo: bitwise
         "random_floats",  # random data: the summation error bound; fp32 vs gloo at rtol 1e-5
         "async",  # outstanding async collectives, FIFO order, a sync one behind them

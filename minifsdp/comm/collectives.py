@@ -58,12 +58,12 @@ from minifsdp.comm.ring import (
     OPS,
     ByteStats,
     Ring,
+    RingAllReduce,
     active_stats,
     all_gather_in_place,
     all_reduce_in_place,
     chunk_bounds,
     count_bytes,
-    first_receives,
     reduce_scatter_chunks,
 )
 from minifsdp.comm.stream import Work, stream_for
@@ -146,12 +146,12 @@ def _run(name: str, group, job, async_op: bool) -> Work | None:
 
 def _fill(ring: Ring, posted: list | None = None):
     """On a header mismatch: fill the data receives the next rank may have posted early (early.py), then
-    wait for ours (``posted``: (work, ...) tuples), which the rank before fills the same way."""
+    wait for ours (``posted``: their work handles), which the rank before fills the same way."""
     room = carry_room(ring)  # now: once the headers are read it is the next collective's
 
     def fill(rows: list[list[int]]) -> None:
         fill_early_receives(ring, rows, room)
-        for work, *_ in posted or ():
+        for work in posted or ():
             work.wait()
 
     return fill
@@ -168,18 +168,20 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
 
     def job(ring: Ring) -> None:
         flat, room = tensor.view(-1), carry_room(ring)
-        if ring.size == 2 and flat.numel() * flat.element_size() > room:
-            swap = EarlyExchange(ring, ring.scratch(flat.numel(), flat), room)  # posted before the header (early.py)
+        if ring.size == 2 and flat.numel() * flat.element_size() <= room:  # rides in the header (header.py)
+            received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat, on_mismatch=_fill(ring))
+            all_reduce_in_place(ring, flat, op, received=received)
+        elif ring.size == 2:  # the whole tensor swapped, its receives posted before the header (early.py)
+            swap = EarlyExchange(ring, ring.scratch(flat.numel(), flat), room)
             agree_on_header(ring, "all_reduce", tensor, op, on_mismatch=swap.cancel)
             mine = flat.split(swap.sizes)
             swap.run(flat, lambda j, sent, got: mine[j].add_(got))
             if op == "avg":
                 flat.div_(2)
-            return
-        first = first_receives(ring, flat) if ring.size > 2 else None  # posted before the header (ring.py)
-        received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat if ring.size == 2 else None,
-                                   on_mismatch=_fill(ring, first))
-        all_reduce_in_place(ring, flat, op, received=received, first=first)
+        else:  # the ring, step 0's receives posted before the header (ring.py)
+            allreduce = RingAllReduce(ring, flat, op)
+            agree_on_header(ring, "all_reduce", tensor, op, on_mismatch=_fill(ring, allreduce.posted()))
+            allreduce.run()
 
     return _run("ring_all_reduce", group, job, async_op)
 

@@ -2,7 +2,7 @@
 
 Used by :func:`minifsdp.comm.collectives.ring_all_reduce`: at N=2 for tensors too big to ride in
 the header message (more than ``carry_room(ring)``; smaller ones are carried: comm/header.py), the
-whole swap (:class:`EarlyExchange`); at N > 2 the ring's step 0 (:func:`minifsdp.comm.ring.first_receives`).
+whole swap (:class:`EarlyExchange`); at N > 2 the ring's step 0 (:class:`minifsdp.comm.ring.RingAllReduce`).
 
 Note (speculative receive): gloo's send/recv is a rendezvous, and on a loaded 2-core machine a
 receive posted at about the moment the other rank's message arrives can cost a whole scheduler
@@ -72,7 +72,7 @@ def early_numel(kind: str, numel: int, itemsize: int, room: int) -> int:
 def early_receives(row: list[int], room: int, n: int, rank: int) -> tuple[int, int]:
     """(how many receives, on which tag) group rank ``rank`` of ``n``, whose header row is ``row``, posted
     early from the rank before it, given the carry room: the swap's at N=2, step 0 of a ring all-reduce
-    at N > 2 (:func:`minifsdp.comm.ring.first_receives`); (0, 0) for any other collective."""
+    at N > 2 (:class:`minifsdp.comm.ring.RingAllReduce`); (0, 0) for any other collective."""
     itemsize = DTYPES[row[2]].itemsize
     if n == 2:
         return len(swap_sizes(early_numel(KINDS[row[0]], row[1], itemsize, room), itemsize)), SWAP_TAG
