@@ -92,7 +92,7 @@ def _check_pieces(fails, groups):
             fails.append(f"ring sum != exact sum: {where}, {(ours != exact).sum().item()} elements differ")
         if not torch.equal(avg, exact / k):  # divided once by the chunk's owner, then gathered: bitwise
             fails.append(f"ring avg != exact sum / N: {where}")
-        if k == 2:  # the ring at 2 ranks (ring_all_reduce swaps instead: comm/early.py)
+        if k == 2:  # the ring at 2 ranks (ring_all_reduce swaps instead: comm/swap.py)
             ring = R.Ring(g, ())
             flat = _data(me, numel, torch.float32)
             R.all_reduce_in_place(ring, flat, "avg")
@@ -278,8 +278,8 @@ def _check_errors(fails):
             C.ring_all_reduce(x, group=pair)
             if not torch.equal(x, torch.full((numel,), 3.0)):
                 fails.append(f"2 ranks, {numel} elements: after the mismatch errors the sum is wrong")
-        # Mismatches of reduce-scatter / all-gather at 2 ranks, one against a big all-reduce whose data
-        # receive was posted before the header (comm/early.py): it must be filled, or the next call hangs.
+        # Mismatches of reduce-scatter / all-gather at 2 ranks, one against a big all-reduce (swapped:
+        # comm/swap.py): a data message sent or received without agreement would hang the next call.
         mismatches = (
             ("AG sizes differ", lambda: C.ring_all_gather(torch.empty(2 * (3 + me)), torch.ones(3 + me), group=pair)),
             ("RS vs AG", lambda: C.ring_reduce_scatter(torch.empty(4), torch.ones(8), group=pair) if me
@@ -319,8 +319,8 @@ def _check_carry_room(fails):
     if kept() != 3 * HEADER_BYTES:
         fails.append(f"after reduce-scatters and all-gathers only, the header buffers hold {kept()} B, "
                      f"want {3 * HEADER_BYTES} (2 receives + 1 send, no carry room)")
-    swaps, real = [], C.EarlyExchange
-    C.EarlyExchange = lambda *a: swaps.append(1) or real(*a)
+    swaps, real = [], C.swap_all_reduce
+    C.swap_all_reduce = lambda *a: swaps.append(1) or real(*a)
     try:
         for _ in range(2):
             x = torch.full((1000,), float(me + 1))
@@ -328,7 +328,7 @@ def _check_carry_room(fails):
             if not torch.equal(x, torch.full((1000,), 3.0)):
                 fails.append(f"2 ranks, 1000 elements: the all-reduce gave {x[:3].tolist()}")
     finally:
-        C.EarlyExchange = real
+        C.swap_all_reduce = real
     if len(swaps) != 1:
         fails.append(f"two all-reduces of 4000 B: {len(swaps)} went by the swap path, want 1 (the second is carried)")
     want = 3 * (HEADER_BYTES + 4000)

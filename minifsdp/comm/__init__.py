@@ -3,7 +3,7 @@
     ring.py         the ring itself: chunk bounds, one send/receive step, byte counting
     header.py       the check every collective starts with (same call on every rank?), its receives
                     posted ahead, and the small all-reduce carried inside it at 2 ranks
-    early.py        2 ranks: a bigger all-reduce's receives, posted before the header is sent
+    swap.py         2 ranks, an all-reduce too big for the header: swap the whole tensor and add
     collectives.py  naive and ring all-reduce, ring reduce-scatter / all-gather, and
                     ``get_collectives("ring" | "torch")``: ours or torch.distributed's behind one interface
     stream.py       one background thread per group, so asynchronous collectives keep their order

@@ -10,7 +10,9 @@ make every rank hold the sum".  This module builds it twice, from nothing but
 * :func:`ring_all_reduce` -- a :func:`ring_reduce_scatter` followed by a
   :func:`ring_all_gather`.  Every rank sends 2(N-1)/N x S bytes, almost the
   same for 2 ranks or 2000 (the bandwidth-optimal algorithm; its *latency*,
-  2(N-1) steps, does grow with N).
+  2(N-1) steps, does grow with N).  At 2 ranks the same bytes move in one
+  trip instead: a small tensor inside the header message (comm/header.py),
+  a bigger one swapped whole (comm/swap.py).
 
 How the ring steps go (ASCII picture), the chunking rule for sizes that N does
 not divide (S elements -> N chunks, the first S % N one element longer), and why
@@ -51,14 +53,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minifsdp.comm.early import EarlyExchange, fill_early_receives
 from minifsdp.comm.header import CARRY_BYTES, agree_on_header, carry_room
 from minifsdp.comm.ring import (
     DTYPES,
     OPS,
     ByteStats,
     Ring,
-    RingAllReduce,
     active_stats,
     all_gather_in_place,
     all_reduce_in_place,
@@ -67,6 +67,7 @@ from minifsdp.comm.ring import (
     reduce_scatter_chunks,
 )
 from minifsdp.comm.stream import Work, stream_for
+from minifsdp.comm.swap import swap_all_reduce
 
 __all__ = [
     "naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
@@ -144,19 +145,6 @@ def _run(name: str, group, job, async_op: bool) -> Work | None:
     return None
 
 
-def _fill(ring: Ring, posted: list | None = None):
-    """On a header mismatch: fill the data receives the next rank may have posted early (early.py), then
-    wait for ours (``posted``: their work handles), which the rank before fills the same way."""
-    room = carry_room(ring)  # now: once the headers are read it is the next collective's
-
-    def fill(rows: list[list[int]]) -> None:
-        fill_early_receives(ring, rows, room)
-        for work in posted or ():
-            work.wait()
-
-    return fill
-
-
 # ----------------------------------------------------------------------------- public collectives
 def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False) -> Work | None:
     """In place: every rank's ``tensor`` becomes the sum (or mean) over ranks.  Any shape, any size.
@@ -167,21 +155,13 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
     group, op = _check_ready("ring_all_reduce", group, {"tensor": tensor}, op)
 
     def job(ring: Ring) -> None:
-        flat, room = tensor.view(-1), carry_room(ring)
-        if ring.size == 2 and flat.numel() * flat.element_size() <= room:  # rides in the header (header.py)
-            received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat, on_mismatch=_fill(ring))
+        flat = tensor.view(-1)
+        carried = ring.size == 2 and flat.numel() * flat.element_size() <= carry_room(ring)
+        received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat if carried else None)
+        if ring.size == 2 and not carried:
+            swap_all_reduce(ring, flat, op)  # comm/swap.py
+        else:
             all_reduce_in_place(ring, flat, op, received=received)
-        elif ring.size == 2:  # the whole tensor swapped, its receives posted before the header (early.py)
-            swap = EarlyExchange(ring, ring.scratch(flat.numel(), flat), room)
-            agree_on_header(ring, "all_reduce", tensor, op, on_mismatch=swap.cancel)
-            mine = flat.split(swap.sizes)
-            swap.run(flat, lambda j, sent, got: mine[j].add_(got))
-            if op == "avg":
-                flat.div_(2)
-        else:  # the ring, step 0's receives posted before the header (ring.py)
-            allreduce = RingAllReduce(ring, flat, op)
-            agree_on_header(ring, "all_reduce", tensor, op, on_mismatch=_fill(ring, allreduce.posted()))
-            allreduce.run()
 
     return _run("ring_all_reduce", group, job, async_op)
 
@@ -200,7 +180,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
     def job(ring: Ring) -> None:
         r, m = ring.rank, output.numel()
         chunks = input.view(n, m)
-        agree_on_header(ring, "reduce_scatter", input, op, on_mismatch=_fill(ring))
+        agree_on_header(ring, "reduce_scatter", input, op)
         if n == 1:
             output.view(-1).copy_(chunks[0])
             return
@@ -242,7 +222,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async
 
     def job(ring: Ring) -> None:
         flat, m = output.view(-1), input.numel()
-        agree_on_header(ring, "all_gather", input, "sum", on_mismatch=_fill(ring))
+        agree_on_header(ring, "all_gather", input, "sum")
         flat[ring.rank * m : (ring.rank + 1) * m].copy_(input.view(-1))
         all_gather_in_place(ring, flat, chunk_bounds(flat.numel(), n))
 
@@ -260,7 +240,7 @@ def naive_all_reduce(tensor: torch.Tensor, op="sum", group=None, root: int = 0) 
         raise ValueError(f"naive_all_reduce: root={root} is not a rank of the group (0..{n - 1}).")
 
     def job(ring: Ring) -> None:
-        agree_on_header(ring, "naive_all_reduce", tensor, op, extra=root, on_mismatch=_fill(ring))
+        agree_on_header(ring, "naive_all_reduce", tensor, op, extra=root)
         flat, empty = tensor.view(-1), tensor.new_empty(0)
         if ring.rank != root:
             ring.exchange(flat, root, empty, root)  # my data up ...

@@ -50,7 +50,7 @@ each rank sizes its next doorbell to the largest all-reduce it has been asked
 for (up to ``CARRY_BYTES``), and *says so in its header* ("my next doorbell holds
 R bytes").  A tensor is carried when it fits both ranks' rooms -- both ranks know
 both numbers, so both decide the same way.  The first all-reduce of a new, larger
-size goes the other way (comm/early.py); from the next one on it is carried.
+size is swapped (comm/swap.py); from the next one on it is carried.
 
       header k:  [kind, numel, dtype, op, extra, carried numel, room of my doorbell k+1, -]
                   '--------- must agree on every rank ---------'
@@ -82,7 +82,7 @@ def carry_room(ring: Ring) -> int:
 
 
 def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra: int = 0,
-                    carry: torch.Tensor | None = None, on_mismatch=None) -> torch.Tensor | None:
+                    carry: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every rank learns every rank's (collective, numel, dtype, op, extra); all check they agree.
 
     Not a ring: for a few numbers latency is all that matters.  2 ranks: rank 0 sends its header,
@@ -92,8 +92,8 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
 
     ``carry`` (2 ranks only, at most ``carry_room(ring)`` bytes): data sent to the other rank in the
     same message as the header; returns what the other rank carried, once the headers agree (its
-    bytes are counted, as data).  ``on_mismatch(rows)``: called with every rank's header row before
-    the ``ValueError`` is raised.
+    bytes are counted, as data).  No data receive is posted before this returns (comm/swap.py,
+    Note (receives are posted after the header)), so a mismatch leaves nothing to clean up.
     """
     nbytes = 0 if carry is None else carry.numel() * carry.element_size()
     room = _next_room(ring, kind, tensor)
@@ -116,8 +116,6 @@ def agree_on_header(ring: Ring, kind: str, tensor: torch.Tensor, op: str, extra:
         for s in ring.stats:
             s.sent, s.received, s.messages = s.sent + nbytes, s.received + nbytes, s.messages + 1
     if not agree:  # (the carried numel follows from the rest)
-        if on_mismatch is not None:
-            on_mismatch(table)
         lines = [
             f"  rank {i}: {KINDS[k]}, {numel} elements of {DTYPES[d]}, op={list(OPS)[o]}, root={e}"
             for i, (k, numel, d, o, e, *_) in enumerate(table)

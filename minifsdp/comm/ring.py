@@ -34,7 +34,11 @@ all-gather, the next one for the reduce-scatter, and in an all-reduce the
 all-gather's during the reduce-scatter's last step).  Why it matters: gloo's
 send/recv over TCP is a rendezvous -- a send whose receive is not posted yet
 only announces itself ("send ready"), and the bytes leave after the receiver
-answers "recv ready".  A receive posted early turns that into one trip.
+answers "recv ready".  A receive posted early turns that into one trip.  But
+posting is itself a message (the "recv ready" notice goes out at once), so
+"early" means early within the collective: a collective's data receives are
+posted only once its header has been read (comm/swap.py says what posting
+them before the header cost).
 
 Note (the header): before moving data every rank checks that all ranks called the same
 collective on the same tensor shape, and at 2 ranks a small all-reduce rides in that
@@ -55,7 +59,7 @@ import torch.distributed as dist
 
 __all__ = [
     "chunk_bounds", "reduce_scatter_chunks", "all_gather_chunks", "ByteStats", "count_bytes", "active_stats",
-    "Ring", "RingAllReduce", "all_gather_in_place", "all_reduce_in_place",
+    "Ring", "all_gather_in_place", "all_reduce_in_place",
 ]
 
 OPS = {"sum": "sum", "avg": "avg"}
@@ -243,80 +247,6 @@ def all_gather_in_place(ring: Ring, flat: torch.Tensor, bounds, piece_bytes: int
     gather.finish()
 
 
-class RingAllReduce:
-    """One ring all-reduce of the 1-D ``flat``, in place: a reduce-scatter whose last step feeds an all-gather.
-
-    Built in two calls so the first receives are posted before the header is sent:
-    constructing it posts the receives of step 0 (and at N=2, where step 0 is also the last
-    step, the all-gather's too); ``run()`` moves the data.  Why early: gloo's send is a
-    rendezvous (Note at the top), and step 0's data leaves the previous rank the moment it has
-    read every header; posted before our own header is sent, the receive is always there
-    first.  If the headers then disagree, the previous rank fills them
-    (:func:`minifsdp.comm.early.fill_early_receives`) and we wait on ``posted()``; their bytes
-    were counted when posted.
-
-    Reduce-scatter receives go to two scratch halves used in turn, so step s+1's receives are
-    already posted while we add step s's pieces; each piece is forwarded the moment it is
-    added (pipelined: the next piece is on the wire while we add this one).
-
-    Note (no seam between the halves): the reduce-scatter's last step sums our own chunk.
-    Each piece of it, once added (and divided, for ``avg``), is already what the all-gather's
-    step 0 sends, so it leaves at once, while the next piece is still arriving.  The
-    all-gather's receives are posted together with the last step's, so the previous rank's
-    all-gather data always finds them waiting.  (Measured, 4 ranks, 4 MB, interleaved with gloo
-    in one run: 0.85 and 0.99x gloo's speed, against 0.75 and 0.80x with the all-gather
-    started after the reduce-scatter.)  Both halves use the same tag: the previous
-    rank sends all its reduce-scatter pieces before any all-gather piece, and gloo matches a
-    peer's messages on one tag in the order the receives were posted.  Safe to land early:
-    the all-gather writes chunk c only after c's owner summed it, which needed every rank's
-    reduce-scatter send of chunk c to have arrived.
-
-        N=2, rank 0 (owns chunk 0), pieces p0 p1 of each chunk:
-          post   recv b0.p0 b0.p1 (into scratch), recv c1.p0 c1.p1 (into chunk 1)
-          send   a1.p0 a1.p1                                  (rank 1 owns chunk 1)
-          wait b0.p0, add -> c0.p0, send it | wait b0.p1, add -> c0.p1, send it
-          wait c1.p0, c1.p1                                   (rank 1's sums)
-    """
-
-    def __init__(self, ring: Ring, flat: torch.Tensor, op: str = "sum", piece_bytes: int = 0):
-        self.ring, self.flat, self.op = ring, flat, op
-        self.bounds = chunk_bounds(flat.numel(), ring.size)
-        self.k = pieces_of(self.bounds, piece_bytes or PIECE_BYTES, flat.element_size())
-        self.gather = _Gather(ring, flat, self.bounds, self.k)
-        self.receiving = _rs_receives(ring, flat, self.bounds, self.k, 0) if ring.size > 1 else []
-        if ring.size == 2:
-            self.gather.post()
-
-    def posted(self) -> list:
-        return [work for work, *_ in self.receiving] + [w for step in self.gather.receiving for w in step]
-
-    def run(self) -> None:
-        ring, flat, bounds, k, gather = self.ring, self.flat, self.bounds, self.k, self.gather
-        n, r = ring.size, ring.rank
-        if n == 1:
-            return
-        sending = [ring.isend(p, r + 1) for p in _pieces(flat, bounds, reduce_scatter_chunks(r, n, 0)[0], k)]
-        receiving = self.receiving
-        for s in range(n - 1):
-            last = s == n - 2
-            coming = [] if last else _rs_receives(ring, flat, bounds, k, s + 1)  # step s-1's half is free
-            if s + 1 == n - 2:  # step s+1 is the last one: the all-gather's receives go right behind it
-                gather.post()
-            for work, box, piece in receiving:
-                work.wait()
-                piece.add_(box)
-                if not last:  # step s+1 forwards the piece we just added into
-                    sending.append(ring.isend(piece, r + 1))
-                else:  # summed over all ranks: the all-gather's step 0 sends it
-                    if self.op == "avg":  # divided once, by its owner, so every rank gets the same bits
-                        piece.div_(n)
-                    gather.send(piece)
-            receiving = coming
-        for work in sending:
-            work.wait()
-        gather.finish()
-
-
 def _rs_receives(ring: Ring, flat: torch.Tensor, bounds, k: int, s: int) -> list[tuple]:
     """Post reduce-scatter step ``s``'s receives into scratch half s % 2 (one chunk of scratch is enough
     at N=2, with its single step): (work, where it lands, piece of flat to add it into) for each of the
@@ -330,15 +260,67 @@ def _rs_receives(ring: Ring, flat: torch.Tensor, bounds, k: int, s: int) -> list
 
 def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_bytes: int = 0,
                         received: torch.Tensor | None = None) -> None:
-    """Ring all-reduce of the 1-D ``flat`` (in place): a reduce-scatter then an all-gather (:class:`RingAllReduce`).
+    """Ring all-reduce of the 1-D ``flat``, in place: a reduce-scatter whose last step feeds an all-gather.
 
     At N=2 with ``received`` (the other rank's tensor, carried in its header: comm/header.py) it
     only adds: ``a + b`` on one rank and ``b + a`` on the other are the same bits (addition is
     commutative bitwise), so every rank holds the same result, as the ring guarantees.
+
+    Reduce-scatter receives go to two scratch halves used in turn, so step s+1's receives are
+    already posted while we add step s's pieces; each piece is forwarded the moment it is added
+    (pipelined: the next piece is on the wire while we add this one).
+
+    Note (no seam between the halves): the reduce-scatter's last step sums our own chunk.
+    Each piece of it, once added (and divided, for ``avg``), is already what the all-gather's
+    step 0 sends, so it leaves at once, while the next piece is still arriving.  The
+    all-gather's receives are posted together with the last step's, so the previous rank's
+    all-gather data always finds them waiting.  Both halves use the same tag: the previous
+    rank sends all its reduce-scatter pieces before any all-gather piece, and gloo matches a
+    peer's messages on one tag in the order the receives were posted (posted any earlier,
+    they would catch reduce-scatter data: tests/_workers_collectives.py hangs).  Safe to land
+    early: the all-gather writes chunk c only after c's owner summed it, which needed every
+    rank's reduce-scatter send of chunk c to have arrived.  (Measured, 4 ranks, 4 MB,
+    interleaved with gloo in one run: 0.85 and 0.99x gloo's speed, against 0.75 and 0.80x with
+    the all-gather started after the reduce-scatter.)
+
+        N=2, rank 0 (owns chunk 0), pieces p0 p1 of each chunk; a = ours, b = rank 1's, c = sum:
+          post   recv b0.p0 b0.p1 (into scratch), recv c1.p0 c1.p1 (into chunk 1)
+          send   a1.p0 a1.p1                                  (rank 1 owns chunk 1)
+          wait b0.p0, add -> c0.p0, send it | wait b0.p1, add -> c0.p1, send it
+          wait c1.p0, c1.p1                                   (rank 1's sums)
     """
-    if ring.size == 2 and received is not None:
+    n, r = ring.size, ring.rank
+    if n == 2 and received is not None:
         flat.add_(received)
         if op == "avg":
             flat.div_(2)
         return
-    RingAllReduce(ring, flat, op, piece_bytes).run()
+    if n == 1:
+        return
+    bounds = chunk_bounds(flat.numel(), n)
+    k = pieces_of(bounds, piece_bytes or PIECE_BYTES, flat.element_size())
+    gather = _Gather(ring, flat, bounds, k)
+    receiving = _rs_receives(ring, flat, bounds, k, 0)
+    if n == 2:  # step 0 is the last step: the all-gather's receives go right behind it
+        gather.post()
+    sending = [ring.isend(p, r + 1) for p in _pieces(flat, bounds, reduce_scatter_chunks(r, n, 0)[0], k)]
+    for s in range(n - 1):
+        last = s == n - 2
+        coming = [] if last else _rs_receives(ring, flat, bounds, k, s + 1)  # step s-1's half is free
+        if s + 1 == n - 2:  # step s+1 is the last one: the all-gather's receives go right behind it
+            gather.post()
+        for work, box, piece in receiving:
+            work.wait()
+            piece.add_(box)
+            if not last:  # step s+1 forwards the piece we just added into
+                sending.append(ring.isend(piece, r + 1))
+            else:  # summed over all ranks: the all-gather's step 0 sends it
+                if op == "avg":  # divided once, by its owner, so every rank gets the same bits
+                    piece.div_(n)
+                gather.send(piece)
+        receiving = coming
+    for work in sending:
+        work.wait()
+    gather.finish()
+
+
