@@ -204,7 +204,7 @@ def _pieces(flat: torch.Tensor, bounds, c: int, k: int) -> list[torch.Tensor]:
 
 
 class _Gather:
-    """A ring all-gather on ``flat`` in two halves: ``post()`` its receives, later ``finish()`` it.
+    """A ring all-gather on ``flat`` in two calls: ``post()`` its receives, later ``finish()`` it.
 
     Every piece received lands in its own place in ``flat``, so all receives are posted at
     once, in the order the previous rank sends them.  Our own chunk's pieces go out through
@@ -288,7 +288,8 @@ def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_b
     interleaved with gloo in one run: 0.85 and 0.99x gloo's speed, against 0.75 and 0.80x with
     the all-gather started after the reduce-scatter.)
 
-        N=2, rank 0 (owns chunk 0), pieces p0 p1 of each chunk; a = ours, b = rank 1's, c = sum:
+        N=2 (ring_all_reduce swaps there instead: comm/swap.py), rank 0 owns chunk 0; pieces
+        p0 p1 of each chunk; a = ours, b = rank 1's, c = the sum:
           post   recv b0.p0 b0.p1 (into scratch slot 0), recv c1.p0 c1.p1 (into chunk 1)
           send   a1.p0 a1.p1                                  (rank 1 owns chunk 1)
           wait b0.p0, add -> c0.p0, send it | wait b0.p1, add -> c0.p1, send it
