@@ -129,6 +129,11 @@ def _check_rs_ag(fails, groups):
                     C.ring_reduce_scatter(avg, inp, op="avg", group=g)
                     if not torch.equal(avg, exact / k):
                         fails.append(f"reduce_scatter avg != exact / N: {where}")
+                if m == 5 and dtype == torch.float32:  # output is this rank's chunk of input (in place)
+                    inplace = inp.clone()
+                    C.ring_reduce_scatter(inplace.view(k, m)[r], inplace, group=g)
+                    if not torch.equal(inplace.view(k, m)[r], exact):
+                        fails.append(f"reduce_scatter into its own input's chunk != exact chunk: {where}")
 
 
 def _check_random_floats(fails):

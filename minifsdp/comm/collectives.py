@@ -184,23 +184,26 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", gro
         if n == 1:
             output.view(-1).copy_(chunks[0])
             return
-        # Partial sums in flight go to scratch buffers, used in turn (we send one while receiving
-        # into the other).  The last step receives straight into ``output`` and adds our own chunk
-        # there, so 2 ranks need no scratch and 3 ranks one chunk of it: FSDP's peak holds no
-        # full-size copy of a unit's gradient for the ring.  (Unless ``output`` is a piece of
-        # ``input``: then receiving into it would overwrite a chunk not yet added.)
+        # Partial sums in flight alternate between two buffers (we send one while receiving into
+        # the other): ``output`` itself and one scratch chunk, chosen so that the last step
+        # receives straight into ``output`` and adds our own chunk there.  So 2 ranks need no
+        # scratch and any more ranks one chunk of it: FSDP's peak holds no full-size copy of a
+        # unit's gradient for the ring.  (Unless ``output`` is a piece of ``input``: then
+        # receiving into it would overwrite a chunk not yet added, so two scratch chunks.)
+        #     N=4: step 0 -> output, step 1 -> scratch, step 2 -> output (+ our chunk: done)
         aliased = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
-        buffers = 2 if aliased else min(2, n - 2)
-        scratch = ring.scratch(buffers * m, input) if buffers else None
-        partial = [scratch[i * m:(i + 1) * m] for i in range(buffers)]
         out = output.view(-1)
+        if aliased:
+            scratch = ring.scratch(2 * m, input)
+            into = [scratch[(s % 2) * m:(s % 2 + 1) * m] for s in range(n - 1)]
+        else:
+            scratch = ring.scratch(m, input) if n > 2 else None
+            into = [out if (n - 2 - s) % 2 == 0 else scratch for s in range(n - 1)]
         sending = chunks[reduce_scatter_chunks(r, n, 0)[0]]
-        for s in range(n - 1):
+        for s, received in enumerate(into):
             recv_c = reduce_scatter_chunks(r, n, s)[1]
-            last = recv_c == r  # the last step: our chunk, once added, is summed over all ranks
-            received = out if (last and not aliased) else partial[s % 2]
             ring.step(sending, received)
-            if last:
+            if recv_c == r:  # the last step: our chunk, once added, is summed over all ranks
                 torch.add(received, chunks[r], out=out)  # a + b and b + a: the same bits
             else:
                 sending = received.add_(chunks[recv_c])
