@@ -30,14 +30,14 @@ the next rank *and* ``irecv`` from the previous one before waiting on either.
 With blocking ``send`` then ``recv`` every rank would wait in ``send`` for a
 receiver that is itself sending: the ring would deadlock (or serialise).
 The all-reduce goes one better and posts every receive *early*: all of them,
-before its first send.  Why it matters: gloo's
-send/recv over TCP is a rendezvous -- a send whose receive is not posted yet
-only announces itself ("send ready"), and the bytes leave after the receiver
-answers "recv ready".  A receive posted early turns that into one trip.  But
-posting is itself a message (the "recv ready" notice goes out at once), so
-"early" means early within the collective: a collective's data receives are
-posted only once its header has been read (comm/swap.py says what posting
-them before the header cost).
+before its first send.  Why it matters: gloo's send/recv over TCP is a
+rendezvous -- a send whose receive is not posted yet only announces itself
+("send ready"), and the bytes leave after the receiver answers "recv ready".
+A receive posted early turns that into one trip.  But posting is itself a
+message (the "recv ready" notice goes out at once), so "early" means early
+within the collective: a collective's data receives are posted only once its
+header has been read (comm/swap.py says what posting them before the header
+cost).
 
 Note (the header): before moving data every rank checks that all ranks called the same
 collective on the same tensor shape, and at 2 ranks a small all-reduce rides in that
@@ -177,8 +177,10 @@ class Ring:
 
         Note (workspace): kept between collectives of the same group (one stream runs one
         collective at a time, so one buffer is enough): a fresh 32 MB buffer per call costs
-        8192 page faults while the kernel copies into it.  It keeps the largest size asked for
-        (N-1 chunks: (N-1)/N of the largest tensor all-reduced), until the process ends.
+        8192 page faults while the kernel copies into it.  It keeps the largest size asked for,
+        until the process ends: (N-1)/N of the largest tensor all-reduced (the whole tensor at
+        N=2, swapped: comm/swap.py), one chunk for a reduce-scatter (FSDP: one rank's shard of
+        its largest unit).
         """
         key = (like.dtype, like.device)
         buf = self.workspace.get(key)
@@ -284,9 +286,9 @@ def all_reduce_in_place(ring: Ring, flat: torch.Tensor, op: str = "sum", piece_b
     peer's messages on one tag in the order the receives were posted (posted before the
     reduce-scatter's, they would catch its data: tests/_workers_collectives.py hangs).  Safe to land
     early: the all-gather writes chunk c only after c's owner summed it, which needed every
-    rank's reduce-scatter send of chunk c to have arrived.  (Measured, 4 ranks, 4 MB,
-    interleaved with gloo in one run: 0.85 and 0.99x gloo's speed, against 0.75 and 0.80x with
-    the all-gather started after the reduce-scatter.)
+    rank's reduce-scatter send of chunk c to have arrived.  (Measured before the receives were
+    all posted up front, 4 ranks, 4 MB, interleaved with gloo in one run: 0.85 and 0.99x gloo's
+    speed, against 0.75 and 0.80x with the all-gather started after the reduce-scatter.)
 
         N=2 (ring_all_reduce swaps there instead: comm/swap.py), rank 0 owns chunk 0; pieces
         p0 p1 of each chunk; a = ours, b = rank 1's, c = the sum:
