@@ -42,8 +42,8 @@ from minifsdp import fsdp2
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.fsdp import ShardingStrategy
 from minifsdp.fsdp import sharding as fsdp_sharding
-from minifsdp.fsdp.units import clean_name
-from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
+from minifsdp.fsdp.core.units import clean_name
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.models import MLP, Block, GPTConfig, TinyGPT
 from minifsdp.parallel.pipelining import PipelineStage, ScheduleGPipe
 

@@ -21,8 +21,8 @@ from minifsdp.checkpoint import resume
 from minifsdp.checkpoint.dcp import load_dcp, save_dcp
 from minifsdp.checkpoint.files import rank_file
 from minifsdp.fsdp import FSDP, ShardingStrategy
-from minifsdp.fsdp.sharding import hybrid_groups
-from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
+from minifsdp.fsdp.torch_options import hybrid_groups
 from minifsdp.models import Block, CharCorpus, TinyGPT
 
 _CORPUS = []

@@ -11,8 +11,8 @@ import torch.nn as nn
 
 from minifsdp.ddp.distributed import backend_devices, check_backend_supports, collective_device, verify_same_shapes
 from minifsdp.fsdp.checks import broadcast_from_rank0, check_same_on_all_ranks
-from minifsdp.fsdp.mixed_precision import ShardedGradScaler
-from minifsdp.fsdp.sharding import ShardingStrategy, resolve_groups
+from minifsdp.fsdp.core.strategy import ShardingStrategy, resolve_groups
+from minifsdp.fsdp.grad_scaler import ShardedGradScaler
 
 
 def _error_of(fn) -> str | None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minifsdp.fsdp import FSDP
-from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 
 STEPS = 3
 SCALE = 20.0  # similarity scale of the in-batch-negatives loss (sentence-transformers' MultipleNegativesRankingLoss)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from minifsdp.comm.ring import count_bytes
 from minifsdp.ddp import DistributedDataParallel as DDP
 from minifsdp.fsdp import FSDP
-from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.memory.tracker import snapshot
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
 

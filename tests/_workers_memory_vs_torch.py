@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.fsdp import FSDP, ShardingStrategy, fully_sharded
-from minifsdp.fsdp.sharding import hybrid_groups
-from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
+from minifsdp.fsdp.torch_options import hybrid_groups
 from minifsdp.memory.census import live_tensor_bytes
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
 

@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifsdp.fsdp import FSDP, ShardingStrategy
-from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
+from minifsdp.fsdp import FSDP, MixedPrecision, ShardedGradScaler, ShardingStrategy
 from minifsdp.models import Block, TinyGPT
 from tests._workers_fsdp import batch, policy, to_numpy, torch_strategy
 
@@ -236,7 +235,7 @@ PREFETCH_SETTINGS = {
 def _settings(name, torch_side):
     from torch.distributed.fsdp import BackwardPrefetch as TorchBP
 
-    from minifsdp.fsdp.prefetch import BackwardPrefetch
+    from minifsdp.fsdp.core.prefetch import BackwardPrefetch
 
     kw = dict(PREFETCH_SETTINGS[name])
     bp = kw["backward_prefetch"]
@@ -329,7 +328,7 @@ def torch_unit_storages(model) -> dict:
 
 def our_unit_storages(model) -> dict:
     """Our all-gather targets (each handle's padded full buffer) -> the unit's name (as the tracer writes it)."""
-    from minifsdp.fsdp.units import units
+    from minifsdp.fsdp.core.units import units
 
     return {u._handle.padded.untyped_storage()._cdata: u._handle.name for u in units(model) if u._handle is not None}
 
@@ -341,8 +340,8 @@ def prefetch_worker():
     recorded from both: ours from our tracer's "all-gather issued" events (and, as a check
     of the tracer, from the c10d ops), torch's from the c10d ops (:class:`CollectiveLog`).
     """
-    from minifsdp.fsdp.prefetch import alive_units
-    from minifsdp.fsdp.units import units
+    from minifsdp.fsdp.core.prefetch import alive_units
+    from minifsdp.fsdp.core.units import units
     from minifsdp.tools.tracing import Tracer
 
     out = {}

@@ -7,8 +7,8 @@ import functools
 import torch
 
 from minifsdp.fsdp import FSDP
-from minifsdp.fsdp.units import clean_name, units
-from minifsdp.fsdp.wrap import size_based_auto_wrap_policy
+from minifsdp.fsdp.core.units import clean_name, units
+from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy
 from minifsdp.models import MLP
 
 

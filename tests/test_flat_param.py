@@ -8,7 +8,7 @@ Layout parity with torch FSDP1 across ranks (each rank's shard equals torch's
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp.flat_param import build_layout, flatten, shard, unflatten
+from minifsdp.fsdp.core.flat_param import build_layout, flatten, shard, unflatten
 from minifsdp.models import MLP, TinyGPT
 
 

@@ -75,8 +75,8 @@ def _layer(module: str) -> int:
 def test_the_graph_was_read():
     """A guard for the checks below: they would pass vacuously on an empty graph."""
     assert len(MODULES) > 40
-    assert "minifsdp.fsdp.handle" in GRAPH["minifsdp.fsdp.fully_sharded"][0]
-    assert "minifsdp.fsdp.units" in GRAPH["minifsdp.fsdp.fully_sharded"][0]
+    assert "minifsdp.fsdp.core.handle" in GRAPH["minifsdp.fsdp.fully_sharded"][0]
+    assert "minifsdp.fsdp.core.units" in GRAPH["minifsdp.fsdp.fully_sharded"][0]
 
 
 def test_no_import_cycles():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import minifsdp
-from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
+from minifsdp.fsdp import MixedPrecision, ShardedGradScaler
 from tests import _workers_overlap as W
 from tests._workers_fsdp import full_items, pairs
 

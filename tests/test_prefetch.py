@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import minifsdp
-from minifsdp.fsdp.prefetch import ExecutionOrder
+from minifsdp.fsdp.core.prefetch import ExecutionOrder
 from tests import _workers_overlap as W
 from tests._workers_fsdp import full_items, pairs
 
@@ -200,7 +200,7 @@ def _fake_unit(unsharded: bool):
     """A stand-in for an FSDP unit: just the fields prefetch() and alive_units() read."""
     from types import SimpleNamespace
 
-    from minifsdp.fsdp.state import HandleState, TrainingState
+    from minifsdp.fsdp.core.state import HandleState, TrainingState
 
     handle = SimpleNamespace(sharded=True, state=HandleState.UNSHARDED if unsharded else HandleState.SHARDED,
                              started=0)
@@ -218,7 +218,7 @@ def test_limit_all_gathers_refuses_a_third_unit(limit):
     """The rate limiter itself: with two units already gathered, a third prefetch waits (limit on) or goes."""
     from types import SimpleNamespace
 
-    from minifsdp.fsdp.prefetch import alive_units, prefetch
+    from minifsdp.fsdp.core.prefetch import alive_units, prefetch
 
     a, b, c = _fake_unit(True), _fake_unit(True), _fake_unit(False)
     root = SimpleNamespace(_handle=None)

@@ -41,11 +41,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.fsdp.flat_param import overlap, padded_size
-from minifsdp.fsdp.units import clean_name, key_of, module_names, units_with_params
+from minifsdp.fsdp.core.flat_param import overlap, padded_size
+from minifsdp.fsdp.core.units import clean_name, flattened_params, units_with_params
 
-__all__ = ["Piece", "Holder", "overlap", "shard_numel", "holders", "param_specs", "persistent_buffers",
-           "PieceReader", "save_pieces", "load_shard"]
+__all__ = ["module_names", "key_of", "Piece", "Holder", "overlap", "shard_numel", "holders", "param_specs",
+           "persistent_buffers", "PieceReader", "save_pieces", "load_shard"]
+
+
+def module_names(model: nn.Module) -> dict[int, str]:
+    """``id(module) -> its plain name`` for every module of ``model`` (the first name, if shared)."""
+    names: dict[int, str] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), clean_name(n))
+    return names
+
+
+def key_of(names: dict[int, str], module: nn.Module, attr: str) -> str:
+    """The state-dict key of ``module.<attr>`` under the plain names (``module_names``)."""
+    prefix = names[id(module)]
+    return f"{prefix}.{attr}" if prefix else attr
 
 
 def shard_numel(total: int, world_size: int) -> int:
@@ -99,8 +113,9 @@ def holders(model: nn.Module) -> list[Holder]:
                 out.append(Holder(slot.param, [Piece(fqn, lo, hi, 0, hi - lo)], writes))
         if not h.use_orig_params:
             out.append(Holder(h.flat_param, flat_pieces, writes))
+    managed |= flattened_params(model)
     for name, p in model.named_parameters():
-        if id(p) not in managed and not getattr(p, "_minifsdp_flat", False):
+        if id(p) not in managed:
             out.append(Holder(p, [Piece(clean_name(name), 0, p.numel(), 0, p.numel())], True))
     return out
 

@@ -45,7 +45,7 @@ from minifsdp.checkpoint.files import (
     write_manifest,
 )
 from minifsdp.checkpoint.files import rank_file as _rank_file
-from minifsdp.checkpoint.pieces import PieceReader, holders, param_specs, persistent_buffers
+from minifsdp.checkpoint.pieces import PieceReader, holders, key_of, module_names, param_specs, persistent_buffers
 from minifsdp.checkpoint.state_dicts import (
     all_gather_object,
     full_optim_state_dict,
@@ -55,7 +55,7 @@ from minifsdp.checkpoint.state_dicts import (
     rank_and_world,
     sharded_state_dict,
 )
-from minifsdp.fsdp.units import key_of, module_names, units_with_params
+from minifsdp.fsdp.core.units import units_with_params
 
 __all__ = ["save", "load", "FULL_FILE"]
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.checkpoint.pieces import PieceReader, holders, param_specs
-from minifsdp.fsdp.full_params import full_state_dict as _fsdp_full_state_dict
-from minifsdp.fsdp.units import units
+from minifsdp.fsdp.core.full_params import full_state_dict as _fsdp_full_state_dict
+from minifsdp.fsdp.core.units import units
 
 __all__ = ["full_state_dict", "sharded_state_dict", "full_optim_state_dict", "load_full_optim_state_dict",
            "rank_and_world", "all_gather_object"]

@@ -1,37 +1,41 @@
-"""Chapters 2 and 4.1: Fully Sharded Data Parallel, one concept per module.
+"""Chapters 2 and 4.1: Fully Sharded Data Parallel.
 
-Read in this order (each module imports only those above it):
+    core/               FSDP's algorithm, read in one sitting: flat parameters, units, the four
+                        strategies, the step's schedule, prefetch, MixedPrecision, no_sync, clipping,
+                        summon_full_params, the full state dict (``core/__init__.py`` gives the order)
 
-    units.py            what an FSDP unit is; list the units; the plain model's names
-    state.py            a unit's and a handle's state, as enums (what each holds in memory)
-    flat_param.py       ch 2.1: flatten, pad, shard, unflatten views
-    sharding.py         ch 2.1: strategies, process groups, the gradient divide factors, FSDP's collectives
-    grad_scaler.py      ch 4.1: ShardedGradScaler, torch's GradScaler API for sharded fp16 gradients
-    mixed_precision.py  ch 4.1: MixedPrecision (the dtypes a handle gathers and reduces in)
-    reduction.py        a unit's gradient: reduce-scatter / all-reduce, divide, cast, accumulate
-    dtype_change.py     model.half() / .to(dtype) after wrapping: which tensors convert, when buffers follow
-    handle.py           one unit's tensors and collectives: gather, free (its gradient: reduction.py)
-    prefetch.py         ch 2.5: which unit's all-gather to start early, and the rate limit
-    events.py           what a unit reports to an attached tracer (``tools/tracing.py`` records it)
-    checks.py           bad input at wrap time: devices, weights that differ across ranks, a stale optimizer
-    wrap.py             ch 2.5: auto-wrap policies
-    root.py             the root unit: elected at the first forward, keeps the step's bookkeeping
-    backward.py         the hooks autograd calls: pre-/post-backward, frozen units' reshard, final callback
-    fully_sharded.py    FullyShardedDataParallel: the module users see; hooks, order, state
-    full_params.py      summon_full_params, clip_grad_norm_, the full state dict
-    state_dict_type.py  FSDP.state_dict_type: FULL / SHARDED / LOCAL state dicts (torch's enum and configs)
-    optim_state.py      FSDP.optim_state_dict / optim_state_dict_to_load: optimizer state by original names
-    torch_options.py    torch's constructor keywords (cpu_offload, ignored_modules, ...) mapped onto ours
+The rest is torch FSDP1's wider API, built on the core (the core never imports it):
+
+    fully_sharded.py    FullyShardedDataParallel: the class users import, every torch keyword
+    torch_handle.py     the core's handle, plus dtype changes and the marks the checks read
+    orig_params.py      use_orig_params=True: the original parameters stay, views of the shard
+    backward_extras.py  a frozen unit's reshard; freeing a unit's parameters before its gradient's concat
+    torch_options.py    torch's constructor keywords (device_mesh, cpu_offload, ignored_modules, ...) mapped
+    deferred_init.py    a model built on the meta device; sync_module_states
+    dtype_change.py     model.half() / .to(dtype) after wrapping
+    checks.py           bad input at wrap and step time: devices, weights that differ across ranks, a stale
+                        optimizer, a weight tied across units
+    state_dict_type.py  FSDP.state_dict_type: FULL / SHARDED / LOCAL state dicts
+    optim_state.py      FSDP.optim_state_dict / optim_state_dict_to_load
+    grad_scaler.py      ch 4.1: ShardedGradScaler, fp16 loss scaling over shards
     activation_checkpointing.py  ch 2.3: recompute whole blocks in the backward
-    reference_ops.py    ch 2.1: flatten/shard, reduce-scatter, clip as standalone functions (exercises)
 """
 
 from minifsdp.fsdp.activation_checkpointing import apply_activation_checkpointing
-from minifsdp.fsdp.flat_param import FlatParamLayout, build_layout, flatten, shard, unflatten
+from minifsdp.fsdp.core import (
+    BackwardPrefetch,
+    FlatParamLayout,
+    MixedPrecision,
+    ShardingStrategy,
+    build_layout,
+    flatten,
+    shard,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    unflatten,
+)
 from minifsdp.fsdp.fully_sharded import FSDP, FullyShardedDataParallel
-from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
-from minifsdp.fsdp.prefetch import BackwardPrefetch
-from minifsdp.fsdp.sharding import ShardingStrategy, hybrid_groups
+from minifsdp.fsdp.grad_scaler import ShardedGradScaler
 from minifsdp.fsdp.state_dict_type import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -44,8 +48,7 @@ from minifsdp.fsdp.state_dict_type import (
     StateDictSettings,
     StateDictType,
 )
-from minifsdp.fsdp.torch_options import CPUOffload
-from minifsdp.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from minifsdp.fsdp.torch_options import CPUOffload, hybrid_groups
 
 __all__ = [
     "FullyShardedDataParallel", "FSDP", "ShardingStrategy", "hybrid_groups", "BackwardPrefetch",

@@ -60,7 +60,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp.units import is_unit
+from minifsdp.fsdp.core.units import is_unit
 
 __all__ = ["checkpoint", "apply_activation_checkpointing", "is_checkpointed"]
 

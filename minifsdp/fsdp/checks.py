@@ -5,7 +5,8 @@
   or ``sync_module_states=True`` to broadcast rank 0's;
 * an optimizer built before wrapping: a process-wide optimizer step pre-hook refuses
   parameters that FSDP flattened away (they no longer train);
-* a module on a device the group's backend cannot send (CPU on a plain "nccl" group).
+* a module on a device the group's backend cannot send (CPU on a plain "nccl" group);
+* a weight tied across units, and a ``transformer_auto_wrap_policy`` class that matches nothing.
 
 Note (control tensors): the checksums are ours, not the module's, so they are made on
 ``collective_device(group, like=a module tensor)``: CPU on gloo or "cpu:gloo,cuda:nccl",
@@ -16,7 +17,10 @@ comes back to CPU for the comparison in Python.  The helpers live in
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import warnings
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,9 +28,12 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from minifsdp.ddp.distributed import backend_devices, check_backend_supports, collective_device
+from minifsdp.fsdp.core.units import clean_name, is_unit
+from minifsdp.fsdp.torch_handle import FLATTENED
 
 __all__ = ["check_one_device", "check_same_on_all_ranks", "broadcast_from_rank0", "install_optimizer_check",
-           "backend_devices", "check_backend_supports", "collective_device"]
+           "backend_devices", "check_backend_supports", "collective_device", "check_ties_across_units",
+           "check_layer_cls_matches"]
 
 
 def check_same_on_all_ranks(groups, module, params, buffers) -> None:
@@ -91,11 +98,81 @@ def install_optimizer_check() -> None:
     def check(optimizer, args, kwargs):
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if hasattr(p, "_minifsdp_orphan"):
+                mark = getattr(p, FLATTENED, None)
+                if mark is not None and not mark.still_trains:
                     raise RuntimeError(
-                        f"{type(optimizer).__name__} holds the parameter '{p._minifsdp_orphan}' that FSDP has "
+                        f"{type(optimizer).__name__} holds the parameter '{mark.fqn}' that FSDP has "
                         "flattened away: the optimizer was built before wrapping, so it would train nothing. "
                         "Build it after wrapping: torch.optim.X(fsdp_model.parameters(), ...)."
                     )
 
     _OPTIMIZER_CHECK.append(register_optimizer_step_pre_hook(check))
+
+
+def check_layer_cls_matches(module: nn.Module, policy: Callable) -> None:
+    """Warn when a ``transformer_auto_wrap_policy`` names a class that no module in ``module`` is.
+
+    torch FSDP1 wraps nothing then, silently: the whole model becomes one unit, every
+    parameter is gathered at once and nothing says why memory did not drop (a typo, or
+    ``GPT2Block`` given to a BERT).  We wrap the same (nothing) and warn, naming the class.
+    A name given as a string (as in accelerate's config files) is refused: ``isinstance``
+    needs the class itself (torch fails there with a bare ``TypeError``).
+    """
+    if not isinstance(policy, functools.partial) or policy.func.__name__ != "transformer_auto_wrap_policy":
+        return
+    classes = policy.keywords.get("transformer_layer_cls") or ()
+    for cls in classes:
+        if not isinstance(cls, type):
+            raise TypeError(f"transformer_auto_wrap_policy: transformer_layer_cls takes classes, got {cls!r}; "
+                            "import the class (e.g. `from transformers.models.bert.modeling_bert import BertLayer`)")
+    present = {type(m) for m in module.modules()}
+    for cls in classes:
+        if not any(issubclass(t, cls) for t in present):
+            warnings.warn(f"FSDP: transformer_layer_cls {cls.__module__}.{cls.__qualname__} matches no module of "
+                          f"{type(module).__name__}, so nothing is wrapped by it (torch FSDP1 does the same, "
+                          "silently): check the class", stacklevel=4)
+
+
+def _outside_units(module: nn.Module, prefix: str = ""):
+    """(name, module) for ``module`` and every submodule not inside a unit."""
+    if is_unit(module):
+        return
+    yield prefix, module
+    for name, child in module.named_children():
+        yield from _outside_units(child, f"{prefix}.{name}" if prefix else name)
+
+
+def check_ties_across_units(module: nn.Module, use_orig_params: bool) -> None:
+    """Before ``module`` becomes a unit: a parameter of its own that a nested unit already flattened.
+
+    That is a weight tied across units (``lm_head`` wrapped on its own, ``tok_emb`` left
+    here).  torch FSDP1 (``_init_utils._get_orig_params``, ``_flat_param.py``):
+
+    * ``use_orig_params=False``: the nested unit puts no mark on the parameter, so this
+      unit flattens it again: two copies, equal at the start, each trained by its own
+      use's gradient; the tie is broken, silently.  We do the same, and warn.
+    * ``use_orig_params=True``: it is marked flattened, so this unit skips it and the
+      outer module is left holding the nested unit's 1-D shard: torch fails at the
+      forward (``'weight' must be 2-D``).  We refuse here, naming both and the fix.
+    """
+    names = {id(m): clean_name(n) for n, m in module.named_modules()}
+    for prefix, m in _outside_units(module):
+        for name, p in m._parameters.items():
+            where = getattr(p, FLATTENED, None)
+            if where is None:
+                continue
+            here = f"{prefix}.{name}" if prefix else name
+            owner = names.get(id(where.module))
+            there = f"{owner}.{where.name}" if owner else where.name
+            fix = (f"wrap the modules that share it in one unit (do not wrap the module of '{there}' on its own), "
+                   "or untie them")
+            if use_orig_params:
+                raise ValueError(
+                    f"FSDP(use_orig_params=True): '{here}' is the same parameter as '{there}', which a nested FSDP "
+                    f"unit already flattened; a parameter tied across units is not supported (torch FSDP1 fails "
+                    f"at the forward with \"'weight' must be 2-D\"). To train it tied, {fix}."
+                )
+            warnings.warn(
+                f"FSDP: '{here}' is the same parameter as '{there}', which a nested FSDP unit already flattened. "
+                "As torch FSDP1 (use_orig_params=False), this unit flattens its own copy: the two start equal and "
+                f"train apart (the tie is broken). To keep them tied, {fix}.", stacklevel=3)

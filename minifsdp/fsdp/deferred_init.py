@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.fsdp.checks import broadcast_from_rank0, check_one_device, collective_device
-from minifsdp.fsdp.units import is_unit
+from minifsdp.fsdp.core.units import flattened_params, is_unit
 
 __all__ = ["materialize", "modules_to_materialize", "meta_tensor_names", "sync_module_states",
            "tinygpt_param_init_fn"]
@@ -82,10 +82,10 @@ def modules_to_materialize(root: nn.Module, ignored_modules=frozenset()) -> list
 
 def _own_states(root: nn.Module, ignored_modules, ignored_params):
     """(name, module, tensor) for the unit's own parameters and buffers (none a nested unit has flattened)."""
+    managed = flattened_params(root)
     for name, m in modules_to_materialize(root, ignored_modules):
         for attr, t in _own_tensors(m):
-            managed = getattr(t, "_minifsdp_flat", False) or hasattr(t, "_minifsdp_owner")
-            if not managed and t not in ignored_params:
+            if id(t) not in managed and t not in ignored_params:
                 yield f"{name + '.' if name else ''}{attr}", m, t
 
 

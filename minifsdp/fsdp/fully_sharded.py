@@ -1,104 +1,106 @@
-"""FullyShardedDataParallel (chapter 2): a module whose parameters live sharded across ranks.
+"""``minifsdp.FullyShardedDataParallel``: the core's FSDP with the rest of torch FSDP1's API.
 
-    model = FSDP(TinyGPT(), auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # AFTER wrapping: it steps the local shards
-    loss = model(x, y); loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+The algorithm is ``minifsdp/fsdp/core/`` (read ``core/fsdp.py`` first); this class extends it,
+so that code written for torch's FSDP1 runs unchanged on ours:
 
-Each wrapped module is a *unit* with one flat parameter (``flat_param.py``).  A
-step, for a root with two nested units, FULL_SHARD (AG = all-gather, RS =
-reduce-scatter):
+    keyword / method                          where it is handled
+    use_orig_params=True                      orig_params.py (a handle subclass chosen at wrap time)
+    cpu_offload, ignored_modules, ignored_states, device_mesh, torch's enums and MixedPrecision
+                                              torch_options.py
+    param_init_fn, a meta-device model, sync_module_states
+                                              deferred_init.py
+    model.half() / .to(dtype) after wrapping  dtype_change.py, torch_handle.py
+    state_dict_type, SHARDED / LOCAL state dicts, optim_state_dict
+                                              state_dict_type.py, optim_state.py
+    summon_full_params(with_grads=, offload_to_cpu=), apply, fsdp_modules, model[i], attributes of
+    the wrapped module                        here
+    bad input at wrap time and step time      checks.py (weights that differ across ranks, several
+                                              devices, a stale optimizer, a weight tied across units,
+                                              an optimizer step between a forward and its backward)
+    a frozen unit's reshard, the free before the concat
+                                              backward_extras.py
 
-    forward:   AG root | AG b0, run b0, free b0 | AG b1, run b1, free b1 | run root tail
-    backward:           AG b1, grad b1, RS b1, free | AG b0, grad b0, wait RS b1, RS b0, free | grad root, ...
-    end:       final callback at the root: wait for the last RS, grads land in each unit's flat_param.grad
-
-Collectives are asynchronous: on a GPU a reduce-scatter runs while the next unit computes
-(one in flight: each post-backward finishes the previous unit's; on CPU its own, as torch),
-and with prefetching (``prefetch.py``) so does the next unit's all-gather.
-
-Two objects per unit, each with one job, and calls go one way (unit -> handle):
-
-    FullyShardedDataParallel (this module)   hooks, order, TrainingState: decides *when*
-    FlatParamHandle (``handle.py``)           tensors and collectives, HandleState: does *what*
-
-The forward is here; the backward's hooks (pre-backward, post-backward, a frozen
-unit's reshard-only hook, the final callback) are ``backward.py``.
-
-Mixed precision: ``mixed_precision.py``; activation checkpointing:
-``activation_checkpointing.py``; summon, clipping and state dicts:
-``full_params.py``; a timeline of it all: ``minifsdp/tools/tracing.py``.
-
-Note (root): the outermost unit whose forward runs first is the root
-(``root.py``).  It keeps the ``RootStep`` (its units, their order, the final
-callback), checks the step's order (one forward per backward unless the shards
-are unchanged) and owns ``clip_grad_norm_``.
-
-Note (the optimizer): ``model.parameters()`` after wrapping yields each unit's
-``flat_param`` (the local 1-D shard; with ``use_orig_params=True``, the
-original parameters as views into it).  An optimizer built *before* wrapping
-holds the old tensors, which no longer train: its first ``step()`` raises.
+Positional order is torch's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import warnings
-import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from minifsdp.fsdp import deferred_init, full_params, optim_state
+from minifsdp.fsdp import deferred_init, optim_state
 from minifsdp.fsdp import state_dict_type as sd_type
 from minifsdp.fsdp import torch_options as opts
-from minifsdp.fsdp.backward import post_backward, pre_backward, register_free_before_concat, register_reshard_only_hook
-from minifsdp.fsdp.checks import check_one_device, check_same_on_all_ranks, install_optimizer_check
-from minifsdp.fsdp.dtype_change import adopt_dtype, flat_param_registered
-from minifsdp.fsdp.events import span
-from minifsdp.fsdp.handle import FlatParamHandle
-from minifsdp.fsdp.mixed_precision import MixedPrecision, cast_floating
-from minifsdp.fsdp.prefetch import BackwardPrefetch, prefetch
-from minifsdp.fsdp.root import RootStep, check_versions, init_root, shard_versions
-from minifsdp.fsdp.sharding import RESHARD_AFTER_FORWARD, Comm, ShardingStrategy, resolve_groups
-from minifsdp.fsdp.state import TrainingState
-from minifsdp.fsdp.units import Unit, clean_name, units
-from minifsdp.fsdp.wrap import check_ties_across_units, recursive_wrap
+from minifsdp.fsdp.backward_extras import register_free_before_concat, register_reshard_only_hook
+from minifsdp.fsdp.checks import (
+    check_layer_cls_matches,
+    check_one_device,
+    check_same_on_all_ranks,
+    check_ties_across_units,
+    install_optimizer_check,
+)
+from minifsdp.fsdp.core import fsdp as core
+from minifsdp.fsdp.core.full_params import summon_full_params as summon_core
+from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
+from minifsdp.fsdp.core.prefetch import BackwardPrefetch
+from minifsdp.fsdp.core.state import TrainingState
+from minifsdp.fsdp.core.strategy import ShardingStrategy
+from minifsdp.fsdp.core.units import flattened_params, is_unit, units, units_with_params
+from minifsdp.fsdp.core.wrap import recursive_wrap
+from minifsdp.fsdp.dtype_change import flat_param_registered
+from minifsdp.fsdp.orig_params import OrigParamHandle
+from minifsdp.fsdp.torch_handle import TorchHandle
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision"]
+__all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
+           "summon_full_params"]
 
 
-class FullyShardedDataParallel(Unit):
-    """Shard ``module``'s parameters over ``process_group``; arguments named and meant as torch's.
+@contextlib.contextmanager
+def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                       offload_to_cpu: bool = False, with_grads: bool = False):
+    """The core's ``summon_full_params`` with torch's two other options.
 
-    Args:
-        module: the module to shard (all parameters and buffers on one device).
-        process_group: the ranks to shard over (default: all); for HYBRID_SHARD a
-            tuple ``(shard_group, replicate_group)``.
-        sharding_strategy: a :class:`ShardingStrategy`.
-        auto_wrap_policy: e.g. ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
-        use_orig_params: show the original parameters (views of the local shard) instead of flat ones.
+    ``with_grads=True`` (``use_orig_params=True`` only, as torch): each parameter's ``.grad`` is the
+    full gradient too (all-gathered; zeros where a rank had none); the shards' gradients come back
+    on exit.  ``offload_to_cpu``: the full parameters are on the CPU already when the model is.
+    """
+    inside = units_with_params(module) if recurse else [module] if is_unit(module) and module._handle else []
+    if with_grads and (offload_to_cpu or any(not u._handle.use_orig_params for u in units_with_params(module))):
+        raise NotImplementedError("summon_full_params(with_grads=True) needs use_orig_params=True and "
+                                  "offload_to_cpu=False (as in torch)")
+    if offload_to_cpu and any(u._handle.flat_param.device.type != "cpu" for u in units_with_params(module)):
+        raise NotImplementedError("summon_full_params(offload_to_cpu=True) on an accelerator is not implemented "
+                                  "in minifsdp: pass offload_to_cpu=False")
+    grads = []
+    try:
+        with summon_core(module, recurse, writeback, rank0_only):
+            grads = [u._handle.show_full_grads() for u in inside] if with_grads else []
+            try:
+                yield
+            finally:
+                for u in inside if with_grads else []:  # the full gradients go first: .data and .grad must agree
+                    for slot in u._handle.layout.slots:
+                        slot.param.grad = None
+    finally:
+        for u, before in zip(inside, grads):
+            u._handle.restore_grads(before)
+
+
+class FullyShardedDataParallel(core.FullyShardedDataParallel):
+    """torch FSDP1's ``FullyShardedDataParallel``: the core's arguments (``core/fsdp.py``), and torch's others.
+
+    Args (beyond the core's):
+        cpu_offload, ignored_modules, ignored_states: torch's, read as ``torch_options.py`` says.
+        param_init_fn: for a model built on the meta device, called on each module of a unit before it
+            is flattened (without it: ``to_empty`` + ``reset_parameters()``): ``deferred_init.py``.
         device_id: move the module there first (``torch.device("cpu")``, or a CUDA index).
         sync_module_states: copy rank 0's parameters and buffers to every rank at wrap time, unit by unit
             (on CPU too: torch FSDP1's needs a GPU).
+        use_orig_params: show the original parameters (views of the local shard): ``orig_params.py``.
         device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.
-        collectives: ``"torch"`` (torch.distributed's) or ``"ring"`` (ours, ``minifsdp.comm.collectives``).
-        mixed_precision: a :class:`~minifsdp.fsdp.mixed_precision.MixedPrecision` (fp32 master shards,
-            compute in ``param_dtype``, reduce in ``reduce_dtype``), as torch FSDP1's.
-        backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (torch's default), ``BACKWARD_POST`` or None
-            (``prefetch.py``); forward_prefetch: prefetch in the forward too, in the first iteration's order;
-        limit_all_gathers: a prefetch waits while two non-root units' full parameters are alive or
-            in flight (an all-gather a unit needs right now is never refused).
-        cpu_offload, ignored_modules, ignored_states: torch's, read as ``torch_options.py`` says
-            (torch's ``ShardingStrategy`` / ``BackwardPrefetch`` / ``MixedPrecision`` are taken too).
-        param_init_fn: for a model built on the meta device, called on each module of a unit before it is
-            flattened (without it: ``to_empty`` + ``reset_parameters()``), as torch: ``deferred_init.py``.
-
-    Positional order is torch's.  The torch-API surface beyond the core (state-dict types,
-    traversal, ``apply``, indexing) maps onto it in ``state_dict_type.py``, ``optim_state.py``
-    and the methods below.
     """
 
     def __init__(self, module: nn.Module, process_group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
@@ -108,98 +110,71 @@ class FullyShardedDataParallel(Unit):
                  device_id=None, sync_module_states: bool = False, forward_prefetch: bool = False,
                  limit_all_gathers: bool = True, use_orig_params: bool = False, ignored_states=None,
                  device_mesh=None, collectives: str = "torch"):
-        super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError("FSDP needs a process group: call dist.init_process_group first "
-                               "(or run your function with minifsdp.spawn).")
-        sharding_strategy = opts.normalize_strategy(sharding_strategy)  # torch_options.py: torch's keywords
+        sharding_strategy = opts.normalize_strategy(sharding_strategy)
         backward_prefetch = opts.normalize_prefetch(backward_prefetch)
         mixed_precision = opts.normalize_mixed_precision(mixed_precision)
         opts.check_cpu_offload(cpu_offload)
         ignored_mods, ignored = opts.ignored_params(module, ignored_modules, ignored_states)
-        self.groups = resolve_groups(sharding_strategy, process_group, device_mesh)
-        if sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) \
-                and self.groups.shard_size == 1:
-            warnings.warn("FSDP on 1 rank: nothing to shard, using NO_SHARD (as torch does)", stacklevel=2)
-            sharding_strategy = ShardingStrategy.NO_SHARD
-        self.sharding_strategy = sharding_strategy
-        self.use_orig_params = use_orig_params
-        self.cpu_offload = cpu_offload
-        self.comm = Comm(collectives)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError("mixed_precision takes a MixedPrecision(param_dtype=..., reduce_dtype=...), "
-                            f"got {type(mixed_precision).__name__} (there is no mixed_precision=True)")
-        self.mixed_precision = mixed_precision
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise TypeError("backward_prefetch takes BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST "
-                            f"or None, got {backward_prefetch!r}")
-        self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
-        self.limit_all_gathers = limit_all_gathers
+        # Set before the core's __init__, which calls _auto_wrap and _make_handle below.
+        self.__dict__.update(
+            use_orig_params=use_orig_params, cpu_offload=cpu_offload, _ignored_modules=ignored_mods,
+            _ignored_params=ignored, _param_init_fn=param_init_fn, _device_id=device_id,
+            _sync_module_states=sync_module_states,
+            _torch_kwargs=dict(process_group=process_group, cpu_offload=cpu_offload, use_orig_params=use_orig_params,
+                               device_id=device_id, ignored_states=ignored or None, device_mesh=device_mesh,
+                               sync_module_states=sync_module_states, param_init_fn=param_init_fn))
+        fp32 = ()
         if auto_wrap_policy is not None:
-            kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
-                          use_orig_params=use_orig_params, device_id=device_id, ignored_states=ignored or None,
-                          sync_module_states=sync_module_states, device_mesh=device_mesh, collectives=collectives,
-                          backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
-                          limit_all_gathers=limit_all_gathers, param_init_fn=param_init_fn)
+            check_layer_cls_matches(module, auto_wrap_policy)
             fp32 = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
             if fp32:  # as torch: those modules become their own units, without mixed precision
                 auto_wrap_policy = opts.policy_with_mp_overrides(auto_wrap_policy, fp32)
                 opts.override_mixed_precision(module, fp32)
-            recursive_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(
-                m, mixed_precision=None if isinstance(m, fp32) else mixed_precision, **kwargs),
-                only_wrap_children=True, ignored=ignored_mods)
-        deferred_init.materialize(module, param_init_fn, device_id, ignored_mods, ignored)  # a meta-device model
+        self.__dict__["_fp32_classes"] = fp32
+        super().__init__(module, opts.mesh_process_group(sharding_strategy, process_group, device_mesh),
+                         sharding_strategy, auto_wrap_policy, backward_prefetch, mixed_precision, forward_prefetch,
+                         limit_all_gathers, collectives)
+        self._reshard_only_hook = None  # a frozen unit's post-backward, on its inputs (backward_extras.py)
+        self._free_token = None  # the free-before-concat hook of this iteration (backward_extras.py)
+        self._versions_at_forward = None  # the root's: shard versions at a forward that awaits its backward
+        install_optimizer_check()
+
+    def _auto_wrap(self, module: nn.Module, policy, kwargs: dict) -> None:
+        kwargs = {**kwargs, **self._torch_kwargs}
+        fp32, mp = self._fp32_classes, kwargs.pop("mixed_precision")
+        recursive_wrap(module, policy, lambda m: type(self)(m, mixed_precision=None if isinstance(m, fp32) else mp,
+                                                            **kwargs),
+                       only_wrap_children=True, ignored=self._ignored_modules)
+
+    def _make_handle(self, module: nn.Module):
+        deferred_init.materialize(module, self._param_init_fn, self._device_id, self._ignored_modules,
+                                  self._ignored_params)  # a meta-device model
+        device_id = self._device_id
         if device_id is not None:
             module.to(torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id))
-        self._fsdp_wrapped_module = module
-        check_ties_across_units(module, use_orig_params)  # wrap.py: a weight tied across units
-        params = [p for p in module.parameters() if not _is_managed(p) and p not in ignored]
-        ignored_buffers = {id(b) for m in ignored_mods for b in m.buffers()}
-        buffers = [b for b in _own_buffers(module) if id(b) not in ignored_buffers]
+        check_ties_across_units(module, self.use_orig_params)
+        taken = flattened_params(module)
+        params = [p for p in module.parameters() if id(p) not in taken and p not in self._ignored_params]
+        ignored_buffers = {id(b) for m in self._ignored_modules for b in m.buffers()}
+        nested = {id(b) for m in units(module) for b in m.buffers()}
+        buffers = [b for b in module.buffers() if id(b) not in nested and id(b) not in ignored_buffers]
         check_one_device(module, params, buffers)
-        if sync_module_states:
+        if self._sync_module_states:
             deferred_init.sync_module_states(self.groups, module, params, buffers)  # shapes checked first
         else:
             check_same_on_all_ranks(self.groups, module, params, buffers)
-        self._handle = None
-        if params:
-            self._handle = FlatParamHandle(module, params, self.groups, sharding_strategy, use_orig_params, self.comm,
-                                           mixed_precision)
-            self._handle.take_over_params()
-            if not use_orig_params:
-                # on the wrapped module, as torch: named "_fsdp_wrapped_module._flat_param"
-                module.register_parameter("_flat_param", self._handle.flat_param)
-        self.training_state = TrainingState.IDLE
-        self._root: FullyShardedDataParallel | None = None  # set at the first forward (_lazy_init)
-        self._root_step: RootStep | None = None  # the root's only
-        self._sync_gradients = True  # False inside no_sync()
-        self._tracer = None  # a tools.tracing.Tracer while one is attached
-        self._reshard_only_hook = None  # a frozen unit's post-backward, on its inputs (this iteration's)
-        self._post_backward_hook = None  # on the handle's gradient leaf, once it requires grad
-        self._register_post_backward_hook()
-        install_optimizer_check()
+        if not params:
+            return None
+        core.check_flattenable(module, params, mixed_requires_grad=self.use_orig_params)
+        if not self.use_orig_params:
+            return TorchHandle(module, params, self.groups, self.sharding_strategy, self.comm, self.mixed_precision)
+        align = 16 // resolve_dtypes(self.mixed_precision, params[0].dtype).param.itemsize  # torch's 16 bytes
+        return OrigParamHandle(module, params, self.groups, self.sharding_strategy, self.comm, self.mixed_precision,
+                               align_numel=align)
 
-    def _register_post_backward_hook(self) -> None:
-        h = self._handle
-        if h is not None and h.unsharded.requires_grad and self._post_backward_hook is None:
-            # A weak reference: a hook lives in the tensor's C++ side, where Python's garbage collector
-            # cannot see it, so a hook holding the unit would keep every dropped model alive (torch FSDP1's does)
-            unit = weakref.ref(self)
-            self._post_backward_hook = h.unsharded.register_post_accumulate_grad_hook(
-                lambda _leaf: post_backward(unit()))
-
-    # ------------------------------------------------------------------ what users see
-    @property
-    def module(self) -> nn.Module:
-        return self._fsdp_wrapped_module
-
-    @property
-    def flat_param(self) -> nn.Parameter | None:
-        """This unit's local 1-D shard (torch: ``_flat_param``); None if the unit owns no parameters."""
-        return self._handle.flat_param if self._handle is not None else None
-
+    # ------------------------------------------------------------------ torch's module API
     @property
     def _flat_param(self) -> nn.Parameter | None:
         """torch's name for :attr:`flat_param` (code written for torch reads ``unit._flat_param``)."""
@@ -208,7 +183,7 @@ class FullyShardedDataParallel(Unit):
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
-        except AttributeError:  # forward attributes of the wrapped module, as torch does
+        except AttributeError:  # attributes of the wrapped module, as torch forwards them
             inner = self._modules.get("_fsdp_wrapped_module")
             if inner is None:
                 raise
@@ -230,48 +205,10 @@ class FullyShardedDataParallel(Unit):
     def apply(self, fn):
         """``nn.Module.apply``; before the first forward, inside ``summon_full_params`` (as torch), so an
         initializer sees and writes the full parameters."""
-        uninitialized = self._root is None
-        with full_params.summon_full_params(self, recurse=False) if uninitialized else contextlib.nullcontext():
+        with summon_core(self, recurse=False) if self._root is None else contextlib.nullcontext():
             return super().apply(fn)
 
-    @property
-    def is_root(self) -> bool:
-        """True for the unit whose forward ran first (known after the first forward)."""
-        return self._root is self
-
-    def attach_tracer(self, tracer) -> None:
-        """Report this unit's events to ``tracer`` (a ``tools.tracing.Tracer``), or stop with None."""
-        self._tracer = tracer
-        if self._handle is not None:
-            self._handle.tracer = tracer
-
-    def named_parameters(self, *args, **kwargs):
-        """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
-        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
-        for name, p in super().named_parameters(*args, **kwargs):
-            yield (clean_name(name) if clean else name), p
-
-    def named_buffers(self, *args, **kwargs):
-        """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
-        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
-        for name, b in super().named_buffers(*args, **kwargs):
-            yield (clean_name(name) if clean else name), b
-
-    summon_full_params = staticmethod(full_params.summon_full_params)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient norm over all shards (collective); returns the total norm, as torch."""
-        if self._root is None:  # before any forward: this unit is the root (torch's lazy init)
-            self._init_root()
-        return full_params.clip_grad_norm_(self, max_norm, norm_type)
-
-    def _init_root(self) -> None:
-        self._root_step = init_root(self)  # root.py
-        opts.check_homogeneous(self._root_step.units)  # torch_options.py
-        for unit in self._root_step.units:  # torch's lazy init: the dtypes are fixed from now on
-            if unit._handle is not None:
-                adopt_dtype(unit._handle)
-                unit._handle.dtype_fixed = True
+    summon_full_params = staticmethod(summon_full_params)
 
     def _apply(self, fn, *args, **kwargs):
         """``model.half()``, ``.to(dtype)``, ``.double()``: convert the flat parameters (``dtype_change.py``)."""
@@ -291,10 +228,7 @@ class FullyShardedDataParallel(Unit):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a state dict of the type set by ``FSDP.state_dict_type``; each rank keeps its shard.
-
-        Returns torch's ``_IncompatibleKeys(missing_keys, unexpected_keys)``, plain names.
-        """
+        """Load a state dict of the type set by ``FSDP.state_dict_type``; each rank keeps its shard."""
         return sd_type.load_typed_state_dict(self, state_dict, strict=strict)
 
     state_dict_type = staticmethod(sd_type.state_dict_type)
@@ -303,91 +237,54 @@ class FullyShardedDataParallel(Unit):
     optim_state_dict = staticmethod(optim_state.optim_state_dict)
     optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, *args, **kwargs):
-        if self._root is None:
-            self._init_root()  # the first unit to run forward is the root
-        mp, root, h = self.mixed_precision, self._root, self._handle
-        step = root._root_step
-        if self.is_root:
-            self._root_pre_forward()
-            if mp is not None and mp.cast_root_forward_inputs:
-                args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        if mp is not None and mp.cast_forward_inputs and h is not None:
-            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        if h is not None and not h.unsharded.requires_grad:
-            register_reshard_only_hook(self, args, kwargs)  # backward.py
-        self._register_post_backward_hook()  # a unit unfrozen after wrapping (use_orig_params)
-        awaiting = self.training_state is TrainingState.AWAITING_BACKWARD  # called twice in one step
-        self.training_state = TrainingState.FORWARD
-        if h is not None:
-            step.order.record_pre_forward(self)
-            h.unshard()
-            if root.forward_prefetch:
-                prefetch(step.order.next_in_forward(self), step.units, root.limit_all_gathers, in_backward=False)
-            h.use_unsharded_views(in_forward=True)
-            register_free_before_concat(self, awaiting)  # backward.py
-        try:
-            with span(self._tracer, "forward", h.name if h is not None else "root"):
-                out = self._fsdp_wrapped_module(*args, **kwargs)
-        finally:
-            self.training_state = TrainingState.AWAITING_BACKWARD if awaiting else TrainingState.IDLE
-            if h is not None:
-                step.order.record_post_forward(self)
-                if h.casts_unsharded or (not self.is_root and self.sharding_strategy in RESHARD_AFTER_FORWARD):
-                    h.reshard()  # (torch frees NO_SHARD's low-precision copy after every forward, the root's too)
-                if h.use_orig_params:
-                    h.use_sharded_views()
-        if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(functools.partial(pre_backward, self))
-            if tensors:
-                self.training_state = TrainingState.AWAITING_BACKWARD
-                if self.is_root:
-                    step.versions_at_forward = shard_versions(step)
-        return out
+    # ------------------------------------------------------------------ the step, with torch's extras
+    def _init_root(self) -> None:
+        super()._init_root()
+        opts.check_homogeneous(self._root_step.units)
+        for unit in self._root_step.units:  # torch's lazy init: the dtypes are fixed from now on
+            if unit._handle is not None:
+                unit._handle.fix_dtype()
 
     def _root_pre_forward(self) -> None:
         step = self._root_step
-        for unit in step.units:  # use_orig_params: requires_grad set on an original after wrapping
+        for unit in step.units:  # requires_grad set by the user after wrapping
             if unit._handle is not None:
                 unit._handle.refresh_requires_grad()
-        if step.versions_at_forward is not None and torch.is_grad_enabled():
-            check_versions(step)
-        elif step.versions_at_forward is None:
-            # Idle: a full buffer kept since its gather (the root's after a forward; SHARD_GRAD_OP's under
-            # no_sync or after a no-grad forward) is used again, as in torch, unless its shard has changed
-            # since (an optimizer step): then it is stale, gather again (torch would use it as it is).
-            for unit in step.units:
-                if unit._handle is not None and unit._handle.stale():
-                    unit._handle.reshard()
+        if self._versions_at_forward is not None and torch.is_grad_enabled() \
+                and self._versions_at_forward != _shard_versions(step.units):
+            raise RuntimeError(
+                "FSDP: forward called again before the backward of the previous forward, and the sharded "
+                "parameters changed in between (an optimizer step?). That backward would see the new "
+                "parameters. Call backward on the previous output before stepping, or run forwards you "
+                "do not differentiate under torch.no_grad().")
+        super()._root_pre_forward()
 
-    # ------------------------------------------------------------------ no_sync
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate unsharded gradients locally, no communication; put the backward INSIDE the context.
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if self.is_root and torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
+            self._versions_at_forward = _shard_versions(self._root_step.units)
+        return out
 
-        Costs a full (unsharded) gradient per unit until the next synced backward.
-        """
-        inside = units(self)
-        old = [u._sync_gradients for u in inside]
-        for u in inside:
-            u._sync_gradients = False
-        try:
-            yield
-        finally:
-            for u, o in zip(inside, old):
-                u._sync_gradients = o
+    def _pre_forward(self, args, kwargs):
+        again = self.training_state is TrainingState.AWAITING_BACKWARD
+        args, kwargs = super()._pre_forward(args, kwargs)
+        h = self._handle
+        if h is not None and not h.unsharded.requires_grad:
+            register_reshard_only_hook(self, args, kwargs)
+        register_free_before_concat(self, again)
+        return args, kwargs
+
+    def _finish_backward(self) -> None:
+        if self._reshard_only_hook is not None:
+            self._reshard_only_hook.remove()
+            self._reshard_only_hook = None
+        self._versions_at_forward = None
+        super()._finish_backward()
 
 
 FSDP = FullyShardedDataParallel
 
 
-def _is_managed(p: torch.Tensor) -> bool:
-    return getattr(p, "_minifsdp_flat", False) or hasattr(p, "_minifsdp_owner")
-
-
-def _own_buffers(module: nn.Module) -> list[torch.Tensor]:
-    nested = {id(b) for m in units(module) for b in m.buffers()}
-    return [b for b in module.buffers() if id(b) not in nested]
+def _shard_versions(inside: list) -> list[tuple[int, ...]]:
+    return [u._handle.shard_version() for u in inside if u._handle is not None]

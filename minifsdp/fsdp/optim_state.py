@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import StateDictType
 
+from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units
 from minifsdp.fsdp.state_dict_type import get_state_dict_type
-from minifsdp.fsdp.units import clean_name, is_unit, units
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load"]
 
@@ -52,8 +52,9 @@ def _pieces(model: nn.Module) -> dict[int, tuple[torch.Tensor, list]]:
                 out.setdefault(id(slot.param), (slot.param, []))[1].append((fqn, 0, hi - lo, dst))
             else:  # every slot, even one this rank holds none of (lo == hi): the names are the same everywhere
                 out.setdefault(id(h.flat_param), (h.flat_param, []))[1].append((fqn, lo, hi, dst))
+    managed = flattened_params(model)
     for name, p in model.named_parameters():  # parameters FSDP leaves alone (ignored_modules): whole
-        if id(p) not in out and not getattr(p, "_minifsdp_flat", False) and not hasattr(p, "_minifsdp_owner"):
+        if id(p) not in out and id(p) not in managed:
             out[id(p)] = (p, [(clean_name(name), 0, p.numel(), 0)])
     return out
 

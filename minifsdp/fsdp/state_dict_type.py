@@ -54,9 +54,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 
-from minifsdp.fsdp.full_params import full_state_dict, load_full_state_dict
-from minifsdp.fsdp.root import buffer_dtype_of
-from minifsdp.fsdp.units import Unit, clean_name, units
+from minifsdp.fsdp.core.full_params import buffer_dtype_of, full_state_dict, load_full_state_dict
+from minifsdp.fsdp.core.units import Unit, clean_name, units
 
 __all__ = ["StateDictType", "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig",
            "LocalStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig",

@@ -5,6 +5,7 @@
          backward_prefetch=torch.distributed.fsdp.BackwardPrefetch.BACKWARD_PRE, device_id=torch.device("cpu"))
 
     keyword                          what it becomes here
+    device_mesh=init_device_mesh(...) the process group(s) the core takes (HYBRID: (shard, replicate))
     sharding_strategy=None           FULL_SHARD (torch reads None so)
     torch's ShardingStrategy, BackwardPrefetch, MixedPrecision
                                      ours, by name / by field (the same meaning)
@@ -28,17 +29,58 @@ import functools
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffload  # torch's own class, re-exported (as state_dict_type.py's)
 from torch.utils._pytree import tree_flatten, tree_map
 
-from minifsdp.fsdp.mixed_precision import MixedPrecision
-from minifsdp.fsdp.prefetch import BackwardPrefetch
-from minifsdp.fsdp.sharding import ShardingStrategy
-from minifsdp.fsdp.units import is_unit
+from minifsdp.fsdp.core.mixed_precision import MixedPrecision
+from minifsdp.fsdp.core.prefetch import BackwardPrefetch
+from minifsdp.fsdp.core.strategy import HYBRID, ShardingStrategy
+from minifsdp.fsdp.core.units import is_unit
 
-__all__ = ["CPUOffload", "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
-           "check_homogeneous", "ignored_params", "policy_with_mp_overrides", "override_mixed_precision"]
+__all__ = ["CPUOffload", "hybrid_groups", "mesh_process_group", "normalize_strategy", "normalize_prefetch",
+           "normalize_mixed_precision", "check_cpu_offload", "check_homogeneous", "ignored_params",
+           "policy_with_mp_overrides", "override_mixed_precision"]
+
+
+def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(shard_group, replicate_group) for this rank, for HYBRID_SHARD: shards of ``shard_size`` consecutive ranks.
+
+    Collective (``new_group``); the layout of ``init_device_mesh(device, (world // shard_size, shard_size))``.
+    """
+    world = dist.get_world_size()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"HYBRID_SHARD: world size {world} does not split into shard groups of {shard_size} "
+                         f"ranks; choose a shard size that divides {world}.")
+    rank, mine = dist.get_rank(), {}
+    for start in range(0, world, shard_size):  # shard groups: consecutive ranks
+        g = dist.new_group(list(range(start, start + shard_size)))
+        if start <= rank < start + shard_size:
+            mine["shard"] = g
+    for col in range(shard_size):  # replicate groups: the same position in every shard group
+        g = dist.new_group(list(range(col, world, shard_size)))
+        if rank % shard_size == col:
+            mine["replicate"] = g
+    return mine["shard"], mine["replicate"]
+
+
+def mesh_process_group(strategy: ShardingStrategy, process_group, device_mesh):
+    """torch's ``device_mesh=`` as the ``process_group`` the core takes: a 1-D mesh's group, or a 2-D
+    (replicate, shard) mesh's ``(shard_group, replicate_group)`` for HYBRID_SHARD."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError("pass either process_group= or device_mesh=, not both")
+    if strategy not in HYBRID:
+        if device_mesh.ndim != 1:
+            raise ValueError(f"{strategy.name} takes a 1-D device_mesh, got {device_mesh.ndim}-D; "
+                             "a 2-D mesh (replicate, shard) is for HYBRID_SHARD")
+        return device_mesh.get_group(0)
+    if device_mesh.ndim != 2:
+        raise ValueError(f"{strategy.name} needs a 2-D device_mesh (replicate dim first, shard second), "
+                         f"got {device_mesh.ndim}-D; e.g. init_device_mesh('cpu', (2, 2))")
+    return device_mesh.get_group(1), device_mesh.get_group(0)
 
 
 def normalize_strategy(strategy) -> ShardingStrategy:

@@ -108,8 +108,8 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
 def _wrap(name: str, model: torch.nn.Module) -> torch.nn.Module:
     """Wrap ``model`` (a TinyGPT) as trainer ``name``; every FSDP wraps each Block as its own unit."""
     if name in ("ours_torch", "ours_ring"):
+        from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
         from minifsdp.fsdp.fully_sharded import FullyShardedDataParallel
-        from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
 
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
         return FullyShardedDataParallel(model, auto_wrap_policy=policy, collectives=name[len("ours_"):])

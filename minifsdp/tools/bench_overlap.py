@@ -43,7 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minifsdp.fsdp.units import units_with_params
+from minifsdp.fsdp.core.units import units_with_params
 from minifsdp.launch import spawn
 
 __all__ = ["run_bench", "overlap_worker", "precision_worker"]
@@ -83,10 +83,10 @@ def _build(torch_side: bool, cfg, setting=None, limit=True, mp=None, ac=False):
                                            partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
         return model
     from minifsdp.fsdp.activation_checkpointing import apply_activation_checkpointing
+    from minifsdp.fsdp.core.mixed_precision import MixedPrecision
+    from minifsdp.fsdp.core.prefetch import BackwardPrefetch
+    from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
     from minifsdp.fsdp.fully_sharded import FSDP
-    from minifsdp.fsdp.mixed_precision import MixedPrecision
-    from minifsdp.fsdp.prefetch import BackwardPrefetch
-    from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
     model = FSDP(TinyGPT(cfg, seed=0), auto_wrap_policy=partial(transformer_auto_wrap_policy,
                                                                  transformer_layer_cls={Block}),
                  backward_prefetch=BackwardPrefetch[bp] if bp else None, forward_prefetch=fwd,
@@ -156,19 +156,20 @@ class _LinkDelayedWork:
 
 
 class LinkDelayedComm:
-    """FSDP's ``Comm`` (``fsdp/sharding.py``) with ``delay_s`` of simulated wire time on every collective."""
+    """FSDP's collectives (``minifsdp.comm.get_collectives``) with ``delay_s`` of simulated wire time on each."""
 
     def __init__(self, comm, delay_s: float):
         self.comm, self.delay_s = comm, delay_s
 
-    def all_gather(self, out, inp, group, async_op: bool = False):
-        return _LinkDelayedWork(self.comm.all_gather(out, inp, group, async_op=async_op), self.delay_s)
+    def all_gather(self, out, inp, group=None, async_op: bool = False):
+        return _LinkDelayedWork(self.comm.all_gather(out, inp, group=group, async_op=async_op), self.delay_s)
 
-    def reduce_scatter(self, out, inp, group, async_op: bool = False):
-        return _LinkDelayedWork(self.comm.reduce_scatter(out, inp, group, async_op=async_op), self.delay_s)
+    def reduce_scatter(self, out, inp, op="sum", group=None, async_op: bool = False):
+        return _LinkDelayedWork(self.comm.reduce_scatter(out, inp, op=op, group=group, async_op=async_op),
+                                self.delay_s)
 
-    def all_reduce(self, t, group, async_op: bool = False):
-        return _LinkDelayedWork(self.comm.all_reduce(t, group, async_op=async_op), self.delay_s)
+    def all_reduce(self, t, op="sum", group=None, async_op: bool = False):
+        return _LinkDelayedWork(self.comm.all_reduce(t, op=op, group=group, async_op=async_op), self.delay_s)
 
 
 def overlap_worker(config: str, steps: int, batch_size: int, link_ms: float = 0.0) -> dict:

@@ -58,8 +58,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_po
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from minifsdp.fsdp import FSDP
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.fsdp.deferred_init import tinygpt_param_init_fn
-from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
 from minifsdp.launch import RankFailedError, spawn
 from minifsdp.models import Block, GPTConfig, TinyGPT
 

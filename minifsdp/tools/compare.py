@@ -76,8 +76,8 @@ def _torch_ddp(model: nn.Module, args) -> nn.Module:
 
 
 def _ours_fsdp(model: nn.Module, args) -> nn.Module:
+    from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
     from minifsdp.fsdp.fully_sharded import FullyShardedDataParallel
-    from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
     from minifsdp.models import Block
 
     return FullyShardedDataParallel(
@@ -185,7 +185,7 @@ def compare_worker(args, trainer_names: list[str]) -> dict:
     args.process_group = None
     family = _family(args.strategy, getattr(args, "impl", "fsdp1"))
     if family == "fsdp" and args.strategy == "HYBRID_SHARD":  # shard inside pairs of ranks, replicate across
-        from minifsdp.fsdp.sharding import hybrid_groups
+        from minifsdp.fsdp.torch_options import hybrid_groups
 
         args.process_group = hybrid_groups(2)
     if family == "fsdp2":

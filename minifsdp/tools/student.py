@@ -49,10 +49,10 @@ __all__ = ["TASKS", "parse_student", "student_worker", "run_student", "add_stude
 
 # task -> (the exercise module, minifsdp's reference, its functions)
 TASKS = {
-    "2.1a": ("exercises.fsdp_tasks", "minifsdp.fsdp.reference_ops", ("flatten_and_shard", "unflatten")),
+    "2.1a": ("exercises.fsdp_tasks", "exercises.solutions.fsdp_ops", ("flatten_and_shard", "unflatten")),
     "2.2": ("exercises.ring_collectives", "minifsdp.comm.collectives",
             ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")),
-    "2.5": ("exercises.overlap_tasks", "minifsdp.fsdp.prefetch", ("prefetch_target",)),
+    "2.5": ("exercises.overlap_tasks", "minifsdp.fsdp.core.prefetch", ("prefetch_target",)),
 }
 WHAT = {
     "flatten_and_shard": "each unit's local shard (once, before step 1)",

@@ -41,12 +41,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.comm import collectives as our_ring
-from minifsdp.fsdp.flat_param import unflatten as our_unflatten
-from minifsdp.fsdp.handle import FlatParamHandle, set_tensor_attr
-from minifsdp.fsdp.prefetch import ExecutionOrder
-from minifsdp.fsdp.prefetch import prefetch_target as our_prefetch_target
-from minifsdp.fsdp.sharding import Comm
-from minifsdp.fsdp.units import clean_name, is_unit, units, units_with_params
+from minifsdp.fsdp.core.flat_param import unflatten as our_unflatten
+from minifsdp.fsdp.core.handle import set_tensor_attr
+from minifsdp.fsdp.core.prefetch import ExecutionOrder
+from minifsdp.fsdp.core.prefetch import prefetch_target as our_prefetch_target
+from minifsdp.fsdp.core.units import clean_name, is_unit, units, units_with_params
+from minifsdp.fsdp.torch_handle import TorchHandle
 
 __all__ = ["FUNCTIONS", "StudentError", "Plug", "StudentComm", "StudentHandle", "StudentOrder", "plug_into"]
 
@@ -144,8 +144,8 @@ class _Done:
         return True
 
 
-class StudentComm(Comm):
-    """The three collectives FSDP calls (``sharding.Comm``'s methods), each the student's ring function.
+class StudentComm:
+    """The three collectives FSDP calls (``minifsdp.comm.get_collectives``'s interface), each the student's ring.
 
     ``mirror``: a process group over the same ranks, on which our ring recomputes each
     answer for the watch.  Only groups of every rank are supported (not HYBRID_SHARD's).
@@ -154,7 +154,7 @@ class StudentComm(Comm):
     kind = "student"
 
     def __init__(self, plug: Plug, mirror):
-        self.plug, self.mirror = plug, mirror  # no super().__init__(): neither torch's nor our ring is used
+        self.plug, self.mirror = plug, mirror  # neither torch's nor our ring is used
 
     def _check_group(self, group) -> None:
         if dist.get_world_size(group) != dist.get_world_size():
@@ -174,13 +174,13 @@ class StudentComm(Comm):
         self.plug.note(name, _differ(out, want))
         return _Done()
 
-    def all_gather(self, out, inp, group, async_op: bool = False):
+    def all_gather(self, out, inp, group=None, async_op: bool = False):
         return self._watched("ring_all_gather", "this rank's shard", our_ring.ring_all_gather, out, inp, group)
 
-    def reduce_scatter(self, out, inp, group, async_op: bool = False):
+    def reduce_scatter(self, out, inp, op="sum", group=None, async_op: bool = False):
         return self._watched("ring_reduce_scatter", "the gradient", our_ring.ring_reduce_scatter, out, inp, group)
 
-    def all_reduce(self, t, group, async_op: bool = False):
+    def all_reduce(self, t, op="sum", group=None, async_op: bool = False):
         self._check_group(group)
         want = t.clone()
         self.plug.call("ring_all_reduce", t, group=group)
@@ -189,7 +189,7 @@ class StudentComm(Comm):
         return _Done()
 
 
-class StudentHandle(FlatParamHandle):
+class StudentHandle(TorchHandle):
     """Our handle, except that the views of the full flat buffer come from the student's ``unflatten``.
 
     Set on a built handle (``handle.__class__ = StudentHandle``, ``handle.student_plug = plug``);

@@ -15,7 +15,7 @@ Events (times in seconds since the tracer started):
     reduce-scatter wait    span      blocked on it (in the next unit's post-backward, or the root's
                                      final callback for the last unit)
 
-The FSDP unit reports these through ``minifsdp/fsdp/events.py`` only while a
+An FSDP unit and its handle report these (``tracer.span``, ``tracer.instant``) only while a
 tracer is attached.  Every span is also a ``torch.profiler.record_function`` range, so the same names
 appear in a ``torch.profiler`` trace next to gloo's own ops
 (:func:`profile_to_chrome_trace`).
@@ -27,6 +27,7 @@ that finished while the previous unit computed has a near-zero wait.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from minifsdp.fsdp.units import units
+from minifsdp.fsdp.core.units import units
 
 __all__ = ["Tracer", "profile_to_chrome_trace"]
 
@@ -86,6 +87,15 @@ class Tracer:
         rf = torch.profiler.record_function(f"minifsdp {kind} {unit}")
         rf.__enter__()
         self._open[(kind, unit)] = (self.now(), rf)
+
+    @contextlib.contextmanager
+    def span(self, kind: str, unit: str):
+        """Record ``kind`` for ``unit`` from enter to exit (what the core's handle and unit call)."""
+        self.open(kind, unit)
+        try:
+            yield
+        finally:
+            self.close(kind, unit)
 
     def close(self, kind: str, unit: str) -> None:
         if (kind, unit) not in self._open:

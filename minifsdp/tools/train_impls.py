@@ -50,7 +50,7 @@ def _is_block(m: nn.Module) -> bool:
 
 def _process_group(strategy: str):
     if strategy == "HYBRID_SHARD":  # shard inside pairs of ranks, replicate across pairs
-        from minifsdp.fsdp.sharding import hybrid_groups
+        from minifsdp.fsdp.torch_options import hybrid_groups
 
         return hybrid_groups(2)
     return None
@@ -64,7 +64,7 @@ def wrap(model: nn.Module, args) -> nn.Module:
                          "(minifsdp.tools.student.run_student)")
     if args.impl == "ours":
         from minifsdp.fsdp import FSDP, MixedPrecision, apply_activation_checkpointing
-        from minifsdp.fsdp.wrap import transformer_auto_wrap_policy
+        from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype) if dtype else None
         model = FSDP(model, process_group=_process_group(args.strategy), sharding_strategy=args.strategy,

@@ -3,7 +3,7 @@
 Three questions a reader of chapter 2 asks, and the picture that answers each:
 
 * *Which numbers does my rank hold?*  :func:`plot_flat_layout` draws a unit's
-  flat parameter (``minifsdp.fsdp.flat_param``) cut into N shards, coloured by the
+  flat parameter (``minifsdp.fsdp.core.flat_param``) cut into N shards, coloured by the
   original parameter each element came from, padding hatched:
 
       flat:    [ weight ......... | bias .. | pad ]
@@ -46,7 +46,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifsdp.fsdp.units import module_names, units
+from minifsdp.checkpoint.pieces import module_names
+from minifsdp.fsdp.core.units import units
 
 __all__ = [
     "CollectiveEvent", "CollectiveTracer", "format_events", "plot_collective_sequence",
@@ -216,7 +217,7 @@ def plot_collective_sequence(events: Sequence[CollectiveEvent], ax=None, title: 
 def plot_flat_layout(layout, ax=None, title: str | None = None, max_labels: int = 30):
     """A unit's flat parameter (top row) and each rank's shard (one row per rank), coloured by parameter.
 
-    ``layout`` is a :class:`minifsdp.fsdp.flat_param.FlatParamLayout` (``build_layout(module, params, N)``).
+    ``layout`` is a :class:`minifsdp.fsdp.core.flat_param.FlatParamLayout` (``build_layout(module, params, N)``).
     Padding is hatched grey; dashed lines are the shard boundaries.
     """
     import matplotlib.pyplot as plt

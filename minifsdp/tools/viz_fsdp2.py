@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.fsdp.flat_param import build_layout
+from minifsdp.fsdp.core.flat_param import build_layout
 from minifsdp.fsdp2.fully_shard import fsdp_state
 from minifsdp.fsdp2.param import chunk_rows, local_row_range
 
@@ -111,7 +111,7 @@ def fsdp2_padding(modules: list[nn.Module], impl: str) -> tuple[int, int]:
 
 def fsdp1_padding(model: nn.Module, world_size: int, rank: int) -> tuple[int, int]:
     """(padding elements in ``rank``'s flat shards, padding in the gathered flat parameters), FSDP1's layout
-    (``minifsdp.fsdp.flat_param.build_layout``, torch FSDP1's) of the units :func:`units_of` lists."""
+    (``minifsdp.fsdp.core.flat_param.build_layout``, torch FSDP1's) of the units :func:`units_of` lists."""
     mine = gathered = 0
     for _, named in units_of(model).items():
         layout = build_layout(model, [p for _, p in named], world_size)

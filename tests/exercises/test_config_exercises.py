@@ -24,8 +24,8 @@ def _fn(impl, name):
     if impl == "student":
         return getattr(importlib.import_module("exercises.config_tasks"), name)
     if name == "consolidate_state_dict":
-        return _reference_consolidate
-    return getattr(importlib.import_module("minifsdp.tools.corrected_call"), name)
+        return getattr(importlib.import_module("exercises.solutions.consolidate"), name)
+    return getattr(importlib.import_module("exercises.solutions.corrected_call"), name)
 
 
 @pytest.fixture
@@ -99,23 +99,6 @@ def _source_call_fails():
 
 
 # ---- 3.1 -------------------------------------------------------------------------------------
-
-def _reference_consolidate(units, shards, buffers, tied):
-    out = {}
-    if len(units) != len(shards):
-        raise ValueError("one list of shards per unit")
-    for layout, pieces in zip(units, shards):
-        flat = torch.cat(list(pieces))[: layout["numel"]]
-        offset = 0
-        for name, shape in zip(layout["names"], layout["shapes"], strict=True):
-            n = torch.Size(shape).numel()
-            out[name] = flat[offset: offset + n].view(shape).clone()
-            offset += n
-    for alias, name in tied.items():
-        out[alias] = out[name]
-    out.update({k: v.clone() for k, v in buffers.items()})
-    return out
-
 
 def _shard_tinygpt(model, world_size):
     """Our own simulation of FSDP's flat shards: one unit per Block, the rest in the root unit."""

@@ -1,5 +1,5 @@
 """Grades tasks 2.1a-c (FSDP's core operations): ``--impl=reference`` checks
-minifsdp/fsdp/reference_ops.py, ``--impl=student`` the stubs in exercises/fsdp_tasks.py.
+exercises/solutions/fsdp_ops.py, ``--impl=student`` the stubs in exercises/fsdp_tasks.py.
 
 2.1a runs in this process (no communication).  2.1b and 2.1c need ranks: one
 spawn of 3 ranks grades both (the default group, N = 3, and the subgroup of
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import minifsdp
 from minifsdp.launch import RankFailedError
 
-MODULES = {"reference": "minifsdp.fsdp.reference_ops", "student": "exercises.fsdp_tasks"}
+MODULES = {"reference": "exercises.solutions.fsdp_ops", "student": "exercises.fsdp_tasks"}
 SPAWNED_TASKS = ("2.1b", "2.1c")
 SHAPES = [(3, 4), (5,), (2, 1, 3), (1,), (7,)]  # 31 numbers: padded at N = 2, 3, 4
 

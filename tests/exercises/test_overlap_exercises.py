@@ -13,15 +13,15 @@ import importlib
 import pytest
 import torch
 
-REFERENCE = {"prefetch_target": ("minifsdp.fsdp.prefetch", "prefetch_target"),
-             "reduce_gradient_shard": ("minifsdp.fsdp.mixed_precision", "reduce_gradient_shard")}
+REFERENCE = {"prefetch_target": ("minifsdp.fsdp.core.prefetch", "prefetch_target"),
+             "reduce_gradient_shard": ("exercises.solutions.mixed_precision", "reduce_gradient_shard")}
 
 
 def _fn(impl, name):
     if impl == "student":
         return getattr(importlib.import_module("exercises.overlap_tasks"), name)
     if name == "mixed_precision_dtypes":
-        from minifsdp.fsdp.mixed_precision import MixedPrecision
+        from minifsdp.fsdp.core.mixed_precision import MixedPrecision
 
         return lambda p, r, o: MixedPrecision(param_dtype=p, reduce_dtype=r).dtypes_for(o)
     mod, attr = REFERENCE[name]

@@ -23,9 +23,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minifsdp.ddp import DistributedDataParallel
-from minifsdp.fsdp import FSDP, ShardingStrategy
+from minifsdp.fsdp import FSDP, MixedPrecision, ShardedGradScaler, ShardingStrategy
 from minifsdp.fsdp.activation_checkpointing import apply_activation_checkpointing
-from minifsdp.fsdp.mixed_precision import MixedPrecision, ShardedGradScaler
 from minifsdp.models import Block, TinyGPT
 from tests._workers_device import scaler_flags
 from tests._workers_fsdp import batch, policy, to_numpy, torch_strategy

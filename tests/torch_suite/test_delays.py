@@ -37,7 +37,7 @@ from torch.testing._internal.common_fsdp import (
 
 from minifsdp.comm import collectives as C
 from minifsdp.comm.stream import stream_for
-from minifsdp.fsdp.handle import FlatParamHandle
+from minifsdp.fsdp.core.handle import FlatParamHandle
 from tests.torch_suite import _harness as H
 from tests.torch_suite import _workers as W
 

@@ -1,6 +1,6 @@
-"""FSDP's three core operations as small standalone functions (the reference for exercises 2.1a-c).
+"""FSDP's three core operations as small standalone functions (the answers to exercises 2.1a-c).
 
-``handle.py`` does these inside a unit, tangled with hooks and buffers;
+``minifsdp/fsdp/core/`` does these inside a unit, with hooks and buffers;
 here each is one function of plain tensors, so a student can write it, and
 the grading tests can check it against torch FSDP1 and a single process:
 
@@ -16,7 +16,7 @@ the grading tests can check it against torch FSDP1 and a single process:
 
 Note (the pre/post divide, 2.1b): torch FSDP1 averages a gradient over N
 ranks as ``(sum_r g_r / f) / (N / f)`` with ``f = predivide_factor(N)``
-(``minifsdp/fsdp/sharding.py``), not ``sum_r g_r / N``.  f is a power of two, so
+(``minifsdp/fsdp/core/strategy.py``), not ``sum_r g_r / N``.  f is a power of two, so
 dividing by it is exact (it only changes the exponent) and, as long as
 nothing overflows, both forms give the same bits.  What f buys is range: the
 sum of N gradients can overflow (in fp16 easily, in fp32 near 3.4e38) where
@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minifsdp.comm.collectives import get_collectives
+from minifsdp.comm import get_collectives
 from minifsdp.ddp.distributed import collective_device
-from minifsdp.fsdp.flat_param import padded_size, shard
-from minifsdp.fsdp.sharding import finish_reduced_shard, predivide_factor, prepare_for_reduce_scatter
+from minifsdp.fsdp.core.flat_param import padded_size, shard
+from minifsdp.fsdp.core.full_params import grad_norm
+from minifsdp.fsdp.core.strategy import finish_reduced_shard, predivide_factor, prepare_for_reduce_scatter
 
 __all__ = ["flatten_and_shard", "unflatten", "reduce_scatter_gradient", "clip_grad_norm_sharded_"]
 
@@ -92,12 +93,7 @@ def clip_grad_norm_sharded_(grad_shards: list[torch.Tensor], max_norm: float, gr
     # The all-reduced number lives where the group's backend moves it (CPU on gloo, the GPU on a
     # plain "nccl" group), on a rank without shards too: a CPU zero would fail on NCCL.
     device = collective_device(group, like=grad_shards[0] if grad_shards else None)
-    if grad_shards:
-        per_tensor = torch.stack([torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32)
-                                  for g in grad_shards])
-        local = torch.linalg.vector_norm(per_tensor, 2.0, dtype=torch.float32).to(device)
-    else:
-        local = torch.tensor(0.0, device=device)
+    local = grad_norm(grad_shards, 2.0, device)  # torch FSDP1's: per-tensor norms in fp32, then their norm
     total_sq = local**2
     dist.all_reduce(total_sq, group=group)
     total = total_sq.sqrt()

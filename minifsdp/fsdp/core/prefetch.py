@@ -1,7 +1,7 @@
-"""Prefetching (chapter 2.3, 2.5): start the next unit's all-gather before it is needed.
+"""Prefetching (chapter 2.5): start the next unit's all-gather before it is needed.
 
-Without prefetching each unit waits for its own all-gather (AG) right before it
-runs, so the communication is *exposed*: nothing else happens meanwhile.
+Without prefetching each unit waits for its own all-gather (AG) right before it runs,
+so the communication is *exposed*: nothing else happens meanwhile.
 
     no prefetch     compute:  |b0|      |b1|      |b2|
                     comm:   AG0   AG1     AG2            the compute waits for every AG
@@ -9,38 +9,31 @@ runs, so the communication is *exposed*: nothing else happens meanwhile.
     prefetch        compute:  |b0|  |b1|  |b2|
                     comm:   AG0 AG1 AG2                  AG(i+1) runs while b(i) computes
 
-Which unit is "next" comes from the order recorded while the model runs, as in
-torch FSDP1 (``torch/distributed/fsdp/_exec_order_utils.py``):
+Which unit is "next" comes from the order recorded while the model runs, as in torch
+FSDP1 (``_exec_order_utils.py``):
 
-* ``forward_prefetch=True``: the *pre-forward* order of the first iteration
-  (fixed after it); in unit i's pre-forward, after its own AG, start unit i+1's.
-* ``backward_prefetch``: the *post-forward* order of this iteration, read
-  backwards (the backward runs the units in reverse):
+* ``forward_prefetch=True``: the *pre-forward* order of the first iteration (fixed after
+  it); in unit i's pre-forward, after its own AG, start unit i+1's.
+* ``backward_prefetch``: this iteration's *post-forward* order, read backwards:
   ``BACKWARD_PRE``  - in unit i's pre-backward hook, after its own AG: start unit i-1's
                       (two units' full parameters alive while i's gradient is computed);
-  ``BACKWARD_POST`` - in unit i's post-backward hook, after freeing i: start unit i-1's
-                      (less overlap, less memory).
-* ``limit_all_gathers=True``: a prefetch is not issued while two non-root units'
-  full parameters are already alive or in flight; that unit then gathers on demand.
+  ``BACKWARD_POST`` - in unit i's post-backward hook, after freeing i: start unit i-1's.
+* ``limit_all_gathers=True``: no prefetch while two non-root units' full parameters are
+  alive or in flight; that unit then gathers on demand.
 
-Note (never changes the numbers): a prefetch only moves *when* an all-gather is
-issued; the bytes gathered, the reduce-scatters and every kernel are the same,
-so results are bitwise equal with or without it (``tests/test_prefetch.py``).
-
-Note (why torch FSDP1 does not overlap on a CPU): FSDP1 issues its all-gather
-*synchronously* (``dist.all_gather_into_tensor`` with no ``async_op``) on a CUDA
-"unshard stream"; on CPU there are no streams, so its prefetch only issues the
-same blocking call earlier and cannot hide anything.  We issue it with
-``async_op=True``: gloo runs it on its own thread while this one computes.
+Note (never changes the numbers): a prefetch only moves *when* an all-gather is issued,
+so results are bitwise equal with or without it.  torch FSDP1 issues its all-gather
+synchronously on a CUDA stream; on a CPU it cannot overlap.  We issue it with
+``async_op=True``, and gloo runs it on its own thread while this one computes.
 """
 
 from __future__ import annotations
 
 from enum import Enum, auto
 
-from minifsdp.fsdp.state import HandleState, TrainingState
+from minifsdp.fsdp.core.state import HandleState, TrainingState
 
-__all__ = ["BackwardPrefetch", "ExecutionOrder", "prefetch", "prefetch_target", "alive_units"]
+__all__ = ["BackwardPrefetch", "ExecutionOrder", "prefetch", "prefetch_target", "alive_units", "RATE_LIMIT"]
 
 RATE_LIMIT = 2  # at most this many non-root units' full parameters alive or in flight (limit_all_gathers)
 
@@ -53,9 +46,8 @@ class BackwardPrefetch(Enum):
 class ExecutionOrder:
     """The units in the order the model ran them; one per root.
 
-    ``pre_forward`` is recorded in the first iteration only (torch: "fix the
-    order after the first iteration"); ``post_forward`` every iteration,
-    cleared when the iteration ends (the root's final callback).
+    ``pre_forward`` is recorded in the first iteration only (torch: "fix the order after the
+    first iteration"); ``post_forward`` every iteration, cleared when the iteration ends.
     """
 
     def __init__(self):
@@ -72,9 +64,9 @@ class ExecutionOrder:
             self.post_forward.append(unit)
 
     def next_in_forward(self, unit):
-        """The unit that ran after ``unit`` in the first iteration's forward, or None."""
+        """The unit that ran after ``unit`` in the first iteration's forward (None until that order is known)."""
         if self.first_iteration:
-            return None  # torch also prefetches nothing in the forward until the order is known
+            return None
         return prefetch_target(self.pre_forward, self.post_forward, unit, "forward")
 
     def next_in_backward(self, unit):
@@ -88,11 +80,10 @@ class ExecutionOrder:
 
 
 def prefetch_target(pre_forward: list, post_forward: list, unit, mode: str):
-    """Which unit to prefetch from ``unit`` (exercise 4.1's reference).
+    """Which unit to prefetch from ``unit`` (the reference of exercise 2.5).
 
-    forward: the one after ``unit`` in the pre-forward order; backward: the one
-    before ``unit`` in the post-forward order (the backward walks it in reverse).
-    None at either end or if ``unit`` was not recorded.
+    forward: the one after ``unit`` in the pre-forward order; backward: the one before it in
+    the post-forward order.  None at either end or if ``unit`` was not recorded.
     """
     if mode not in ("forward", "backward"):
         raise ValueError(f"mode is 'forward' or 'backward', got {mode!r}")
@@ -106,8 +97,8 @@ def prefetch_target(pre_forward: list, post_forward: list, unit, mode: str):
 def alive_units(units: list) -> int:
     """Non-root units whose full parameters are gathered or being gathered (what limit_all_gathers caps).
 
-    ``units``: the root's units, the root first (``units.units(root)``); the root's own
-    parameters stay gathered through the step and are not counted, as in torch.
+    ``units``: the root's units, the root first; its own parameters stay gathered through the
+    step and are not counted, as in torch.
     """
     return sum(1 for u in units[1:] if u._handle is not None and u._handle.sharded
                and u._handle.state is not HandleState.SHARDED)
@@ -119,7 +110,7 @@ def prefetch(target, units: list, limit_all_gathers: bool, in_backward: bool) ->
         return False
     h = target._handle
     if h.state is not HandleState.SHARDED:
-        return False  # already there, or already on its way
+        return False  # already there, or on its way
     if in_backward and target.training_state is not TrainingState.AWAITING_BACKWARD:
         return False  # its backward already ran (or never will)
     if limit_all_gathers and alive_units(units) >= RATE_LIMIT:

@@ -1,4 +1,4 @@
-"""The corrected torch FSDP1 call of chapter 2 §2.5 (reference for exercise 2.5b).
+"""The corrected torch FSDP1 call of chapter 2 §2.5 (the answer to exercise 2.5b).
 
 The source passes ``mixed_precision=True`` and ``activation_checkpointing=True`` to FSDP and
 names ``BWD_PRE``; these two functions say what it meant: keyword arguments for

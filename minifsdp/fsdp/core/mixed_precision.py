@@ -1,0 +1,85 @@
+"""Mixed precision (chapter 4.1): fp32 master shards, low-precision compute and communication.
+
+    flat_param (fp32 shard) --cast--> param_dtype shard --all-gather--> full (param_dtype) --> forward, backward
+    flat_param.grad (fp32) <--cast-- /(N/f) <-- reduce-scatter <-- /f <-- full grad --cast--> reduce_dtype
+
+* the optimizer sees fp32 only: the sharded master parameters and their fp32 gradient
+  shards (``keep_low_precision_grads=True`` keeps the shards in ``param_dtype``, as torch);
+* the *shard* is cast before the all-gather: half the bytes move, each rank casts its 1/N;
+* gradients are divided by ``f`` before and ``N / f`` after the reduction, in ``reduce_dtype``
+  (``strategy.py``): that is why torch pre-divides at all;
+* floating-point buffers are cast to ``buffer_dtype`` once, at the root's first forward;
+  the root casts floating-point forward inputs to ``param_dtype``, every unit too with
+  ``cast_forward_inputs``.
+
+Note (not autocast): ``torch.autocast`` picks a dtype per *op* (matmuls low, softmax and
+norms fp32) and casts fp32 weights at every use; ``MixedPrecision`` casts the parameters
+once per all-gather, so every op of the unit runs in ``param_dtype``, layer norms included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_map
+
+__all__ = ["MixedPrecision", "UnitDtypes", "resolve_dtypes", "cast_floating"]
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """torch FSDP1's ``MixedPrecision``; ``None`` keeps the original dtype for that part.
+
+    As torch: ``param_dtype`` without ``reduce_dtype`` reduces in ``param_dtype``.
+    ``_module_classes_to_ignore``: torch's; the public class wraps those modules as their
+    own fp32 units (``minifsdp/fsdp/torch_options.py``).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type] = (_BatchNorm,)
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"MixedPrecision.{name} must be a floating dtype such as torch.bfloat16, "
+                                 f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class UnitDtypes:
+    """The four dtypes of one unit."""
+
+    orig: torch.dtype  # the sharded parameters: what the optimizer steps
+    param: torch.dtype  # the gathered copy the forward and backward compute in
+    reduce: torch.dtype  # the gradient reduction
+    grad: torch.dtype  # the gradient shard the optimizer receives
+
+    @property
+    def casts_params(self) -> bool:
+        return self.param != self.orig
+
+
+def resolve_dtypes(mp: MixedPrecision | None, orig: torch.dtype) -> UnitDtypes:
+    """A unit's dtypes under ``mp`` (None: everything in ``orig``), as torch resolves them."""
+    if mp is None:
+        return UnitDtypes(orig, orig, orig, orig)
+    param = mp.param_dtype or orig
+    reduce = mp.param_dtype if mp.reduce_dtype is None and mp.param_dtype is not None else mp.reduce_dtype or orig
+    return UnitDtypes(orig, param, reduce, param if mp.keep_low_precision_grads else orig)
+
+
+def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
+    """Every floating-point tensor in a nest of tuples/lists/dicts cast to ``dtype`` (others untouched)."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                    and x.dtype != dtype else x, tree)

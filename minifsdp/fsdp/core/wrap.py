@@ -1,0 +1,76 @@
+"""Auto-wrap policies (chapter 2.5): which submodules become their own FSDP unit.
+
+A policy is ``policy(module, recurse, nonwrapped_numel) -> bool`` (torch's signature),
+bound with ``functools.partial``:
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    model = FSDP(TinyGPT(), auto_wrap_policy=policy)
+
+    TinyGPT                       FSDP (root unit: tok_emb, pos_emb, ln_f; lm_head is tied)
+      tok_emb, pos_emb      ->      blocks.0 = FSDP(Block)   own unit
+      blocks.0, blocks.1            blocks.1 = FSDP(Block)   own unit
+      ln_f, lm_head
+
+It is asked twice per module, as in torch: ``recurse=True`` "look inside its children?",
+``recurse=False`` "wrap this module?" with ``nonwrapped_numel``, the parameters no wrapped
+child has claimed.  The walk is post-order (children first), so a nested unit takes its
+parameters before its parent builds its flat parameter.  torch's own policies work here too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+
+from minifsdp.fsdp.core.units import flattened_params, is_unit
+
+__all__ = ["size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "recursive_wrap"]
+
+
+def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                 transformer_layer_cls: set[type]) -> bool:
+    """Wrap every instance of the given block classes (e.g. ``{Block}``); always look inside."""
+    if recurse:
+        return True
+    return isinstance(module, tuple(transformer_layer_cls))
+
+
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                min_num_params: int = int(1e8), force_leaf_modules: set[type] | None = None,
+                                exclude_wrap_modules: set[type] | None = None) -> bool:
+    """Wrap a module once it holds at least ``min_num_params`` not-yet-wrapped parameters.
+
+    As torch: never look inside ``nn.MultiheadAttention`` (its forward reads its weights
+    directly), never wrap a bare ``ModuleList`` / ``ModuleDict`` (no forward to hook).
+    """
+    force_leaf_modules = {nn.MultiheadAttention} if force_leaf_modules is None else force_leaf_modules
+    exclude_wrap_modules = {nn.ModuleList, nn.ModuleDict} if exclude_wrap_modules is None else exclude_wrap_modules
+    is_large = nonwrapped_numel >= min_num_params
+    if recurse:
+        return is_large and not isinstance(module, tuple(force_leaf_modules))
+    return is_large and not isinstance(module, tuple(exclude_wrap_modules))
+
+
+def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Module], nn.Module],
+                   only_wrap_children: bool = False, ignored=frozenset()) -> tuple[nn.Module, int]:
+    """Wrap ``module``'s subtree where ``policy`` says so; returns (module or its wrapper, numel wrapped).
+
+    ``ignored``: modules FSDP leaves alone (never wrapped or looked into, parameters not counted).
+    """
+    if is_unit(module) or module in ignored:
+        return module, 0
+    skip = flattened_params(module) | {id(p) for m in ignored for p in m.parameters()}
+    nonwrapped = sum(p.numel() for p in module.parameters() if id(p) not in skip)
+    if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
+        return module, 0
+    wrapped_numel = 0
+    for name, child in module.named_children():
+        new_child, n = recursive_wrap(child, policy, wrap, ignored=ignored)
+        if new_child is not child:
+            setattr(module, name, new_child)
+        wrapped_numel += n
+    remainder = nonwrapped - wrapped_numel
+    if not only_wrap_children and policy(module=module, recurse=False, nonwrapped_numel=remainder):
+        return wrap(module), nonwrapped
+    return module, wrapped_numel

@@ -1,0 +1,190 @@
+"""``use_orig_params=True``: the original parameters stay, as views of the flat shard.
+
+torch FSDP1's flag.  With it the optimizer steps the *original* parameters (each a 1-D piece
+of the local shard, or the whole tensor under NO_SHARD) instead of one flat parameter, so
+optimizer parameter groups, frozen parameters inside a unit, and per-parameter learning
+rates work as on the plain model.  The algorithm is the core's (``core/handle.py``,
+``core/gradient.py``); what changes is where each name points, chosen once at wrap time by
+building an :class:`OrigParamHandle`:
+
+    moment              use_orig_params=False (core)           use_orig_params=True (here)
+    between uses        names are empty tensors; the module   names are the originals, registered,
+                        registers ``_flat_param``              ``.data`` = their piece of the shard
+    forward             names are views of the full buffer     the same, and registered (so
+                                                               named_parameters() shows them)
+    backward            (the forward's views)                  views again (a recompute reads them)
+    gradient            ``flat_param.grad`` (the shard)        each original's ``.grad`` = its piece
+    summon              new full-shape Parameters              the originals, ``.data`` = full view
+
+Note (alignment): torch aligns each original to 16 bytes in the flat buffer when
+``use_orig_params=True``, so each piece is a valid tensor start; so do we (``align_numel``).
+
+Note (frozen originals): a unit may mix frozen and trainable originals; a frozen one's view
+is detached, gets no gradient, and the optimizer skips it.  ``p.requires_grad_(False)``
+after wrapping works too (read again at every root forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from minifsdp.fsdp.core.flat_param import unflatten
+from minifsdp.fsdp.core.gradient import UnitGradient, set_grad
+from minifsdp.fsdp.core.handle import clear_tensor_attr, set_tensor_attr
+from minifsdp.fsdp.core.state import GradState
+from minifsdp.fsdp.torch_handle import TorchHandle
+
+__all__ = ["OrigParamHandle", "OrigParamGradient"]
+
+
+class OrigParamGradient(UnitGradient):
+    """The gradient of an :class:`OrigParamHandle`: the originals' ``.grad`` are where users look."""
+
+    def prepare(self) -> None:
+        h, slots = self.handle, self.handle.layout.slots
+        if self.state is GradState.UNSHARDED and all(s.param.grad is None for s in slots if s.param.requires_grad):
+            self.state = GradState.SHARD  # the optimizer's zero_grad() discarded the no_sync gradient
+            h.unsharded.grad = None
+        if all(s.param.grad is None for s in slots):
+            h.flat_param.grad = None
+
+    def keep_unsharded(self) -> None:
+        h = self.handle
+        g = self.take_cast_grad() if h.casts_unsharded else h.unsharded.grad
+        if g is None:
+            return
+        for slot, v in zip(h.layout.slots, unflatten(g, h.layout)):
+            if slot.param.requires_grad:  # now: a parameter frozen after wrapping gets none
+                set_grad(slot.param, v)
+        self.state = GradState.UNSHARDED
+
+    def finish_reduce(self) -> None:
+        if self.in_flight is None:
+            return
+        super().finish_reduce()
+        h = self.handle
+        if h.flat_param.grad is None:
+            return
+        for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces()):
+            # as torch: no gradient where this rank holds none of the parameter, nor for one frozen now
+            if slot.param.requires_grad and hi > lo:
+                set_grad(slot.param, h.flat_param.grad[lo:hi].view(slot.param.shape))
+            else:
+                slot.param.grad = None
+        self._step_in_backward()
+
+    def _step_in_backward(self) -> None:
+        """``torch.distributed.optim._apply_optimizer_in_backward``: an original carrying
+        ``_in_backward_optimizers`` is stepped as soon as its gradient shard is here, and its gradient
+        dropped, as torch FSDP1's post-backward; the flat gradient goes once no original holds one."""
+        slots, stepped = self.handle.layout.slots, False
+        for slot in slots:
+            optims = getattr(slot.param, "_in_backward_optimizers", None)
+            if optims and slot.param.grad is not None:
+                for opt in optims:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                stepped = True
+        if stepped and all(slot.param.grad is None for slot in slots):
+            self.handle.flat_param.grad = None
+
+
+class OrigParamHandle(TorchHandle):
+    """A handle whose module names stay the original parameters (views of the shard between uses)."""
+
+    use_orig_params = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gradient = OrigParamGradient(self)
+
+    def take_over_params(self) -> None:
+        """The originals stay, their ``.data`` a view of this rank's shard; each module registers its own
+        again in the flat parameter's order, a tied weight's second name last, as torch FSDP1's."""
+        self.mark_originals()
+        for sh in self.layout.shared:
+            sh.module._parameters.pop(sh.name, None)
+        for slot in self.layout.slots:
+            slot.module._parameters.pop(slot.name, None)
+        self.use_sharded_views()
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [slot.param for slot in self.layout.slots]
+
+    def shard_version(self) -> tuple[int, ...]:
+        """The optimizer steps the originals (views made by ``.data =``, with counters of their own): read those."""
+        return (self.flat_param._version, *(s.param._version for s in self.layout.slots))
+
+    def requires_grad(self) -> bool:
+        return any(s.param.requires_grad for s in self.layout.slots)
+
+    def use_unsharded_views(self, in_forward: bool = False) -> None:
+        """Views of the full buffer (a frozen original's detached); in the forward registered too, so that
+        ``named_parameters()`` inside it yields them (full shapes, plain tensors), as torch's."""
+        views = unflatten(self.unsharded, self.layout)
+        for slot, v in zip(self.layout.slots, views):
+            if not slot.param.requires_grad:
+                v = v.detach()
+            set_tensor_attr(slot.module, slot.name, v)
+            if in_forward:
+                slot.module._parameters[slot.name] = v
+        for sh in self.layout.shared:
+            set_tensor_attr(sh.module, sh.name, views[sh.primary])
+            if in_forward:
+                sh.module._parameters[sh.name] = views[sh.primary]
+
+    def use_sharded_views(self) -> None:
+        """Between uses: each original, registered again, is a 1-D view of its piece of the local shard."""
+        for slot in self.layout.slots + self.layout.shared:
+            clear_tensor_attr(slot.module, slot.name)
+        for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
+            piece = self.flat_param.data[lo:hi]
+            slot.param.data = piece if self.sharded else piece.view(slot.shape)
+            slot.module._parameters[slot.name] = slot.param
+        for sh in self.layout.shared:
+            sh.module._parameters[sh.name] = self.layout.slots[sh.primary].param
+
+    def after_forward(self) -> None:
+        self.use_sharded_views()
+
+    def before_backward(self) -> None:
+        self.use_unsharded_views()
+
+    def after_backward(self) -> None:
+        self.use_sharded_views()
+
+    def use_full_params(self) -> None:
+        """summon_full_params: the originals themselves, their ``.data`` a view of the full buffer."""
+        for slot, v in zip(self.layout.slots, unflatten(self.unsharded.detach(), self.layout)):
+            slot.param.data = v
+
+    def drop_full_params(self) -> None:
+        self.use_sharded_views()
+
+    def show_full_grads(self) -> list:
+        """summon_full_params(with_grads=True): each original's ``.grad`` becomes its full gradient (collective:
+        the shards' gradients all-gathered, zeros for a rank that has none; None everywhere if no rank has one,
+        as torch).  Returns the shards' gradients, for :meth:`restore_grads`."""
+        before = [s.param.grad for s in self.layout.slots]
+        local = torch.zeros(self.layout.shard_numel if self.sharded else self.layout.numel,
+                            dtype=self.flat_param.dtype, device=self.flat_param.device)
+        for (lo, hi), g in zip(self.local_pieces(), before):
+            if g is not None and hi > lo:
+                local[lo:hi] = g.reshape(-1)
+        has = torch.tensor([float(any(g is not None for g in before))], device=local.device)
+        if self.sharded:
+            self.comm.all_reduce(has, group=self.groups.shard, async_op=True).wait()
+        if has.item() == 0:
+            return before
+        full = local
+        if self.sharded:
+            full = torch.empty(self.layout.padded_numel, dtype=local.dtype, device=local.device)
+            self.comm.all_gather(full, local, group=self.groups.shard, async_op=True).wait()
+        for slot, v in zip(self.layout.slots, unflatten(full[: self.layout.numel], self.layout)):
+            slot.param.grad = v if slot.param.requires_grad else None
+        return before
+
+    def restore_grads(self, before: list) -> None:
+        for slot, g in zip(self.layout.slots, before):
+            slot.param.grad = g
