@@ -16,7 +16,7 @@ Then run 2.5 inside a real FSDP training run, compared bitwise with ours::
     python -m minifsdp train --impl student --student 2.5 --steps 8
 
 The reference solutions: ``minifsdp.fsdp.core.prefetch.prefetch_target``,
-``minifsdp.fsdp.core.mixed_precision.MixedPrecision.dtypes_for`` and
+``minifsdp.fsdp.core.mixed_precision.resolve_dtypes`` and
 ``exercises.solutions.mixed_precision.reduce_gradient_shard`` (read them after you are done).
 """
 

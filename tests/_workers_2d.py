@@ -39,9 +39,9 @@ from torch.distributed.fsdp import fully_shard
 
 import minifsdp.parallel.tensor_parallel as tp
 from minifsdp import fsdp2
+from minifsdp.comm import get_collectives
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.fsdp import ShardingStrategy
-from minifsdp.fsdp import sharding as fsdp_sharding
 from minifsdp.fsdp.core.units import clean_name
 from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.models import MLP, Block, GPTConfig, TinyGPT
@@ -53,6 +53,12 @@ MLP_DIMS = (16, 32, 32, 8)
 STEPS, ROWS, T, LR = 3, 4, 16, 1e-2
 GPT_OPT = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)  # see test_parallel_2d: why not AdamW here
 CPU = torch.device("cpu")
+TORCH_COLLECTIVES = type(get_collectives("torch"))  # the class behind FSDP(collectives="torch")
+
+
+class _Done:
+    def wait(self):
+        return True
 
 
 def _batches(vocab: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -91,18 +97,18 @@ def _tp_shards(model) -> dict:
 @contextlib.contextmanager
 def skip_dp_reduction():
     """The fault: our FSDP's reduce-scatter keeps this rank's own rows of its own gradient, summing nothing."""
-    saved = fsdp_sharding.Comm.reduce_scatter
+    saved = TORCH_COLLECTIVES.reduce_scatter
 
-    def own_rows_only(self, out, inp, group, async_op=False):
+    def own_rows_only(self, out, inp, op="sum", group=None, async_op=False):
         r = dist.get_rank(group)
         out.copy_(inp.reshape(-1)[r * out.numel():(r + 1) * out.numel()].view_as(out))
-        return fsdp_sharding._DoneWork()
+        return _Done()
 
-    fsdp_sharding.Comm.reduce_scatter = own_rows_only
+    TORCH_COLLECTIVES.reduce_scatter = own_rows_only
     try:
         yield
     finally:
-        fsdp_sharding.Comm.reduce_scatter = saved
+        TORCH_COLLECTIVES.reduce_scatter = saved
 
 
 def _gpt_case(mesh, same_rows: bool = False, fault=contextlib.nullcontext) -> dict:
@@ -215,9 +221,10 @@ MICROBATCHES = (1, 2, 4)
 
 @contextlib.contextmanager
 def count_fsdp_collectives():
-    """Count every collective our FSDP issues (its ``Comm``), by kind; TP's and the pipeline's are not FSDP's."""
+    """Count every collective our FSDP issues (through ``get_collectives("torch")``), by kind; TP's and the
+    pipeline's are not FSDP's."""
     counts: Counter = Counter()
-    saved = {k: getattr(fsdp_sharding.Comm, k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+    saved = {k: getattr(TORCH_COLLECTIVES, k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
 
     def counting(kind, fn):
         def call(self, *args, **kwargs):
@@ -226,12 +233,12 @@ def count_fsdp_collectives():
         return call
 
     for kind, fn in saved.items():
-        setattr(fsdp_sharding.Comm, kind, counting(kind, fn))
+        setattr(TORCH_COLLECTIVES, kind, counting(kind, fn))
     try:
         yield counts
     finally:
         for kind, fn in saved.items():
-            setattr(fsdp_sharding.Comm, kind, fn)
+            setattr(TORCH_COLLECTIVES, kind, fn)
 
 
 def _pp_data():

@@ -57,7 +57,7 @@ def device_paths_worker() -> dict:
     out["supports_cpu"] = _error_of(lambda: check_backend_supports(None, [like], "test"))
 
     # FSDP's wrap-time checksum: the same weights pass, different ones fail on every rank.
-    groups = resolve_groups(ShardingStrategy.FULL_SHARD, None, None)
+    groups = resolve_groups(ShardingStrategy.FULL_SHARD, None)
     torch.manual_seed(0)  # the same bias on both ranks
     same = nn.Linear(4, 4)
     out["same_weights"] = _error_of(lambda: check_same_on_all_ranks(groups, same, list(same.parameters()), []))

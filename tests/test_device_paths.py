@@ -25,9 +25,10 @@ import torch.nn as nn
 import torch.utils.checkpoint as torch_cp
 
 import minifsdp
+from exercises.solutions import fsdp_ops as reference_ops
 from minifsdp.ddp.distributed import backend_devices, check_backend_supports, collective_device
-from minifsdp.fsdp import full_params, reference_ops
 from minifsdp.fsdp.activation_checkpointing import _autocast_state, _input_devices, checkpoint
+from minifsdp.fsdp.core import full_params
 from minifsdp.models import TinyGPT
 from tests import _workers_device as W
 
@@ -124,9 +125,9 @@ def test_reference_clip_without_shards_all_reduces_on_the_collective_device(nccl
 
 @pytest.mark.parametrize("grads", ([], [torch.ones(3), torch.full((2, 2), 2.0)]))
 def test_local_grad_norm_lands_on_the_given_device(grads):
-    """full_params._grad_norm: the local norm is made on (or moved to) the all-reduce's device."""
-    assert full_params._grad_norm(grads, 2.0, torch.device("meta")).device.type == "meta"
-    cpu = full_params._grad_norm(grads, 2.0, torch.device("cpu"))
+    """full_params.grad_norm: the local norm is made on (or moved to) the all-reduce's device."""
+    assert full_params.grad_norm(grads, 2.0, torch.device("meta")).device.type == "meta"
+    cpu = full_params.grad_norm(grads, 2.0, torch.device("cpu"))
     expected = torch.tensor(float(sum(g.pow(2).sum() for g in grads)) ** 0.5)  # 0 without gradients
     assert cpu.dtype == torch.float32 and torch.equal(cpu, expected)
 

@@ -134,3 +134,69 @@ def test_every_public_name_is_importable_from_the_top():
 
     missing = [n for n in minifsdp.__all__ if not hasattr(minifsdp, n)]
     assert not missing and len(minifsdp.__all__) >= 34, missing
+
+
+# ----------------------------------------------------------------------------- the core a learner reads
+CORE = "minifsdp.fsdp.core"
+CORE_MAY_IMPORT = (CORE, "minifsdp.comm", "minifsdp.launch", "minifsdp.models")
+CORE_BUDGET = 1600  # lines, docstrings included: what a learner reads in one sitting
+
+
+def _in(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_core_imports_only_core_comm_launch_and_models():
+    core = [m for m in MODULES if _in(m, [CORE])]
+    assert len(core) >= 10, core
+    bad = [f"{m} imports {t}" for m in core for t in GRAPH[m][0] | GRAPH[m][1] if not _in(t, CORE_MAY_IMPORT)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_core_fits_its_line_budget():
+    lines = {p.name: len(p.read_text().splitlines()) for p in (PKG / "fsdp" / "core").glob("*.py")}
+    assert sum(lines.values()) <= CORE_BUDGET, (sum(lines.values()), lines)
+
+
+def test_the_reading_order_the_core_states_is_true():
+    """The core's ``__init__`` lists its modules in reading order; each imports only those above it."""
+    doc = ast.get_docstring(ast.parse((PKG / "fsdp" / "core" / "__init__.py").read_text()))
+    order = [line.split()[0][:-3] for line in doc.splitlines() if line.startswith("    ") and
+             line.split()[0].endswith(".py")]
+    on_disk = sorted(p.stem for p in (PKG / "fsdp" / "core").glob("*.py") if p.stem != "__init__")
+    assert sorted(order) == on_disk and len(order) == len(set(order)), (order, on_disk)
+    for i, name in enumerate(order):
+        above = {f"{CORE}.{n}" for n in order[:i]}
+        inside = {t for t in GRAPH[f"{CORE}.{name}"][0] if _in(t, [CORE]) and t != CORE}
+        assert inside <= above, f"{name} imports {sorted(inside - above)}, listed below it"
+
+
+def _readme_map() -> set[str]:
+    """Every path the README's module map shows under ``minifsdp/``, from its indentation."""
+    text = (PKG.parent / "README.md").read_text()
+    block = text.split("```\nminifsdp/\n", 1)[1].split("```", 1)[0]
+    paths, stack = set(), []  # stack: (indent, directory)
+    for line in block.splitlines():
+        stripped = line.lstrip()
+        if not stripped:
+            continue
+        name, indent = stripped.split()[0], len(line) - len(stripped)
+        if not (name.endswith(".py") or name.endswith("/")):
+            continue  # a description's continuation line
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([d for _, d in stack] + [name.rstrip("/")])
+        paths.add(path)
+        if name.endswith("/"):
+            stack.append((indent, name.rstrip("/")))
+    return paths
+
+
+def test_the_readme_map_names_every_module():
+    shown = _readme_map()
+    assert "fsdp/core/handle.py" in shown or "fsdp" in shown, sorted(shown)[:10]  # the parse found the tree
+    modules = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    missing = sorted(modules - shown)
+    assert not missing, f"modules the README's map does not name: {missing}"
+    gone = sorted(p for p in shown if p.endswith(".py") and p not in modules)
+    assert not gone, f"the README's map names modules that do not exist: {gone}"

@@ -19,6 +19,7 @@ import pytest
 
 import minifsdp
 from minifsdp.fsdp import MixedPrecision, ShardedGradScaler
+from minifsdp.fsdp.core.mixed_precision import resolve_dtypes
 from tests import _workers_overlap as W
 from tests._workers_fsdp import full_items, pairs
 
@@ -89,5 +90,7 @@ def test_bad_arguments():
     MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)  # implemented: tests/test_torch_api.py
     with pytest.raises(ValueError, match="backoff_factor"):
         ShardedGradScaler(backoff_factor=2.0)
-    assert MixedPrecision(param_dtype=torch.float16).dtypes_for(torch.float32) == (torch.float16, torch.float16)
-    assert MixedPrecision(reduce_dtype=torch.bfloat16).dtypes_for(torch.float32) == (torch.float32, torch.bfloat16)
+    d = resolve_dtypes(MixedPrecision(param_dtype=torch.float16), torch.float32)
+    assert (d.param, d.reduce) == (torch.float16, torch.float16)
+    d = resolve_dtypes(MixedPrecision(reduce_dtype=torch.bfloat16), torch.float32)
+    assert (d.param, d.reduce) == (torch.float32, torch.bfloat16)

@@ -31,3 +31,17 @@ def test_ci_runs_the_readme_install_and_test_commands():
     test = next(c for c in readme if "pytest" in c and "--impl" not in c)
     assert install in ci, f"CI does not run the README install command: {install}"
     assert test in ci, f"CI does not run the README test command: {test}"
+
+
+def test_no_file_cites_an_issue_number():
+    """Readers have no issue tracker: a test or a text says what it proves, not which issue asked for it."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.ipynb", "*.toml", "*.txt"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert len(files) > 100, len(files)
+    cite = re.compile(r"\bissues?\s+#?\d+\b(?!\s*(?:all-|reduce|collective|send|message))", re.IGNORECASE)
+    hits = [f"{f}:{n}: {line.strip()[:100]}" for f in files for n, line in
+            enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1) if cite.search(line)]
+    assert not hits, "\n".join(hits[:30])

@@ -21,9 +21,12 @@ def _fn(impl, name):
     if impl == "student":
         return getattr(importlib.import_module("exercises.overlap_tasks"), name)
     if name == "mixed_precision_dtypes":
-        from minifsdp.fsdp.core.mixed_precision import MixedPrecision
+        from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
 
-        return lambda p, r, o: MixedPrecision(param_dtype=p, reduce_dtype=r).dtypes_for(o)
+        def dtypes(p, r, o):
+            d = resolve_dtypes(MixedPrecision(param_dtype=p, reduce_dtype=r), o)
+            return d.param, d.reduce
+        return dtypes
     mod, attr = REFERENCE[name]
     return getattr(importlib.import_module(mod), attr)
 
