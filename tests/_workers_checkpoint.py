@@ -396,8 +396,8 @@ def hybrid_save_worker(tmp: str) -> dict:
 
     Ours trains 2 AdamW steps, saves sharded, trains a 3rd (the run that never stopped); torch FSDP1 trains
     the same 3 steps on the same groups.  The checkpoint is loaded (1) at the same layout into a fresh model
-    that takes the 3rd step, (2) at 3 ranks, FULL_SHARD with ``use_orig_params=True`` (another world size,
-    strategy and holder: last shard rank 2), (3) into the plain TinyGPT on rank 0.  Returns what the test
+    that takes the 3rd step, (2) at 3 ranks (FULL_SHARD) and at 2 ranks (SHARD_GRAD_OP, ``use_orig_params=True``),
+    (3) into the plain TinyGPT on rank 0.  Returns what the test
     compares bitwise (numpy)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
@@ -438,15 +438,18 @@ def hybrid_save_worker(tmp: str) -> dict:
     losses_b = losses[:2] + [step(b, ob, 2)]
     out["resumed"] = dict(extra=extra, loaded=loaded, losses=losses_b, full=_sorted(checkpoint.full_state_dict(b)))
 
-    # (2) 3 ranks, FULL_SHARD, use_orig_params=True (ranks 0-2; rank 3 waits at the barrier)
-    three = dist.new_group([0, 1, 2])  # every rank calls new_group
-    if rank < 3:
-        c = ours(seed=2, group=three, use_orig_params=True)
-        oc = make_opt("adamw", c)
-        checkpoint.load(path, c, oc, group=three)
-        out["3 ranks"] = dict(model=_sorted(checkpoint.full_state_dict(c)), optim=_sorted_optim_state(
-            checkpoint.full_optim_state_dict(c, oc, rank0_only=False, group=three)))
-    dist.barrier()
+    # (2) other world sizes and holders: 3 ranks, FULL_SHARD (flat parameters; its last shard ends in padding),
+    # and 2 ranks, SHARD_GRAD_OP, use_orig_params=True (each original parameter a holder; no padding at 2 ranks,
+    # so the last rank's range ends on a real number).  The ranks outside a group wait at the barrier.
+    for n, kw in ((3, {}), (2, dict(strategy=ShardingStrategy.SHARD_GRAD_OP, use_orig_params=True))):
+        group = dist.new_group(list(range(n)))  # every rank calls new_group
+        if rank < n:
+            c = ours(seed=n, group=group, **kw)
+            oc = make_opt("adamw", c)
+            checkpoint.load(path, c, oc, group=group)
+            out[f"{n} ranks"] = dict(model=_sorted(checkpoint.full_state_dict(c)), optim=_sorted_optim_state(
+                checkpoint.full_optim_state_dict(c, oc, rank0_only=False, group=group)))
+        dist.barrier()
     # (3) the plain model, rank 0 alone
     solo = dist.new_group([0])
     if rank == 0:

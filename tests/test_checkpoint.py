@@ -233,8 +233,9 @@ def test_sharded_save_at_hybrid_layout_keys_pieces_by_shard_rank(hybrid_save):
     global rank (the same number at 2 ranks, or in the first replica) would miss or misplace them on
     ranks 2 and 3.  Oracles, all bitwise: torch FSDP1 HYBRID_SHARD on the same groups, seed and data for
     the 3 steps (ours never stopping is its twin); the same layout loading the checkpoint and taking the
-    3rd step equals both; loaded at 3 ranks (FULL_SHARD, ``use_orig_params=True``) and into the plain
-    TinyGPT, every parameter and AdamW state equals what was saved.
+    3rd step equals both; loaded at 3 ranks (FULL_SHARD), at 2 ranks (SHARD_GRAD_OP, ``use_orig_params=True``)
+    and into the plain TinyGPT, every parameter and AdamW state equals what was saved.  The loads at 3 and 2
+    ranks also check each layout's last rank: its range ends in padding at 3 ranks, on a real number at 2.
     """
     runs = hybrid_save
     assert [r["shard rank"] for r in runs] == [0, 1, 0, 1]
@@ -249,7 +250,8 @@ def test_sharded_save_at_hybrid_layout_keys_pieces_by_shard_rank(hybrid_save):
     for rank, r in enumerate(runs):  # and its next step is the one that never stopped took
         assert r["resumed"]["losses"] == r["torch"]["losses"], rank
         assert_bitwise(r["resumed"]["full"], r["never stopped"]["full"], f"rank {rank} resumed vs never stopped")
-    for rank, r in enumerate(runs[:3]):
-        assert_bitwise(r["3 ranks"], r["saved"], f"rank {rank} loaded at 3 ranks")
+    for n in (3, 2):
+        for rank, r in enumerate(runs[:n]):
+            assert_bitwise(r[f"{n} ranks"], r["saved"], f"rank {rank} loaded at {n} ranks")
     assert runs[0]["plain"]["pieces"] == []
     assert_bitwise(runs[0]["plain"]["model"], runs[0]["saved"]["model"], "the plain model")
