@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import minifsdp
 from minifsdp import checkpoint
 from minifsdp.checkpoint import resume
 from minifsdp.checkpoint.dcp import load_dcp, save_dcp
@@ -24,6 +25,7 @@ from minifsdp.fsdp import FSDP, ShardingStrategy
 from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.fsdp.torch_options import hybrid_groups
 from minifsdp.models import Block, CharCorpus, TinyGPT
+from tests._workers_fsdp import to_numpy
 
 _CORPUS = []
 
@@ -403,11 +405,8 @@ def hybrid_save_worker(tmp: str) -> dict:
     from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
 
-    from minifsdp import hybrid_groups as groups_of
-    from tests._workers_fsdp import to_numpy
-
     rank, out = dist.get_rank(), {}
-    pair = groups_of(2)  # (shard group, replicate group) of this rank
+    pair = minifsdp.hybrid_groups(2)  # (shard group, replicate group) of this rank
     theirs_ = TorchFSDP(TinyGPT(seed=0), process_group=pair, sharding_strategy=TorchStrategy.HYBRID_SHARD,
                         auto_wrap_policy=functools.partial(torch_policy, transformer_layer_cls={Block}),
                         device_id=torch.device("cpu"))

@@ -25,6 +25,7 @@ import pytest
 
 import minifsdp
 from minifsdp.fsdp import MixedPrecision, ShardedGradScaler
+from tests import _workers_mixed_precision as R
 from tests import _workers_overlap as W
 from tests._workers_fsdp import assert_bitwise, full_items, pairs
 
@@ -102,8 +103,6 @@ def test_bad_arguments():
 # ---------------------------------------------------------------- regimes: accumulation, fp16 averaging at 4 ranks
 @pytest.fixture(scope="module")
 def accumulation():
-    from tests import _workers_mixed_precision as R
-
     return minifsdp.spawn(R.no_shard_accumulation_worker, world_size=2, timeout_s=240)
 
 
@@ -132,8 +131,6 @@ def test_no_shard_bf16_gradient_accumulation_bitwise_vs_torch_fsdp1(accumulation
 
 @pytest.fixture(scope="module")
 def fp16_four_ranks():
-    from tests import _workers_mixed_precision as R
-
     return minifsdp.spawn(R.fp16_small_grads_worker, args=(["FULL_SHARD", "NO_SHARD"],), world_size=4, timeout_s=240)
 
 
