@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import minifsdp
 from minifsdp import checkpoint
 from minifsdp.checkpoint import resume
 from minifsdp.checkpoint.dcp import load_dcp, save_dcp
@@ -24,6 +25,7 @@ from minifsdp.fsdp import FSDP, ShardingStrategy
 from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.fsdp.torch_options import hybrid_groups
 from minifsdp.models import Block, CharCorpus, TinyGPT
+from tests._workers_fsdp import to_numpy
 
 _CORPUS = []
 
@@ -376,3 +378,84 @@ def measure_worker(tmp: str, config: str = "small") -> dict:
         out[kind] = dict(save_s=round(t_save, 3), load_s=round(t_load, 3),
                          written_bytes=files[mine]["bytes"] if mine in files else 0)
     return out
+
+
+# ---------------------------------------------------------------- 4 ranks: a sharded save at a HYBRID layout
+
+
+def _sorted(d: dict) -> dict:
+    return {k: d[k] for k in sorted(d)}
+
+
+def _sorted_optim_state(osd: dict) -> dict:
+    """The ``state`` of a full optimizer state dict, names and keys sorted (for a bitwise comparison)."""
+    return {fqn: {k: osd["state"][fqn][k] for k in sorted(osd["state"][fqn])} for fqn in sorted(osd["state"])}
+
+
+def hybrid_save_worker(tmp: str) -> dict:
+    """HYBRID_SHARD over shard groups {0, 1}, {2, 3} (replicas {0, 2}, {1, 3}): global ranks 2 and 3 hold shard
+    ranks 0 and 1, so a piece keyed by the global rank lands elsewhere than one keyed by the shard rank.
+
+    Ours trains 2 AdamW steps, saves sharded, trains a 3rd (the run that never stopped); torch FSDP1 trains
+    the same 3 steps on the same groups.  The checkpoint is loaded (1) at the same layout into a fresh model
+    that takes the 3rd step, (2) at 3 ranks (FULL_SHARD) and at 2 ranks (SHARD_GRAD_OP, ``use_orig_params=True``),
+    (3) into the plain TinyGPT on rank 0.  Returns what the test
+    compares bitwise (numpy)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
+
+    rank, out = dist.get_rank(), {}
+    pair = minifsdp.hybrid_groups(2)  # (shard group, replicate group) of this rank
+    theirs_ = TorchFSDP(TinyGPT(seed=0), process_group=pair, sharding_strategy=TorchStrategy.HYBRID_SHARD,
+                        auto_wrap_policy=functools.partial(torch_policy, transformer_layer_cls={Block}),
+                        device_id=torch.device("cpu"))
+    ot = make_opt("adamw", theirs_)
+    torch_losses = [step(theirs_, ot, i) for i in range(3)]
+    with TorchFSDP.summon_full_params(theirs_):
+        torch_full = {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone() for k, v in theirs_.named_parameters()}
+    out["torch"] = dict(losses=torch_losses, full=torch_full)
+    out["shard rank"] = dist.get_rank(pair[0])
+
+    a = ours(group=pair, strategy=ShardingStrategy.HYBRID_SHARD)
+    oa = make_opt("adamw", a)
+    losses = [step(a, oa, i) for i in range(2)]
+    path = os.path.join(tmp, "hybrid")
+    checkpoint.save(path, a, oa, extra={"step": 2, "rank": rank})
+    saved, saved_osd = checkpoint.full_state_dict(a), checkpoint.full_optim_state_dict(a, oa, rank0_only=False)
+    losses.append(step(a, oa, 2))
+    out["never stopped"] = dict(losses=losses, full=_sorted(checkpoint.full_state_dict(a)))
+    out["saved"] = dict(model=_sorted(saved), optim=_sorted_optim_state(saved_osd))
+    out["written"] = sorted(f for f, info in checkpoint.read_manifest(path)["files"].items() if info["pieces"])
+
+    # (1) the same layout, a fresh model: load, take the 3rd step
+    b = ours(seed=1, group=pair, strategy=ShardingStrategy.HYBRID_SHARD)
+    ob = make_opt("adamw", b)
+    extra = checkpoint.load(path, b, ob)
+    loaded = dict(model=_sorted(checkpoint.full_state_dict(b)),
+                  optim=_sorted_optim_state(checkpoint.full_optim_state_dict(b, ob, rank0_only=False)))
+    losses_b = losses[:2] + [step(b, ob, 2)]
+    out["resumed"] = dict(extra=extra, loaded=loaded, losses=losses_b, full=_sorted(checkpoint.full_state_dict(b)))
+
+    # (2) other world sizes and holders: 3 ranks, FULL_SHARD (flat parameters; its last shard ends in padding),
+    # and 2 ranks, SHARD_GRAD_OP, use_orig_params=True (each original parameter a holder; no padding at 2 ranks,
+    # so the last rank's range ends on a real number).  The ranks outside a group wait at the barrier.
+    for n, kw in ((3, {}), (2, dict(strategy=ShardingStrategy.SHARD_GRAD_OP, use_orig_params=True))):
+        group = dist.new_group(list(range(n)))  # every rank calls new_group
+        if rank < n:
+            c = ours(seed=n, group=group, **kw)
+            oc = make_opt("adamw", c)
+            checkpoint.load(path, c, oc, group=group)
+            out[f"{n} ranks"] = dict(model=_sorted(checkpoint.full_state_dict(c)), optim=_sorted_optim_state(
+                checkpoint.full_optim_state_dict(c, oc, rank0_only=False, group=group)))
+        dist.barrier()
+    # (3) the plain model, rank 0 alone
+    solo = dist.new_group([0])
+    if rank == 0:
+        plain = TinyGPT(seed=3)
+        op = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+        checkpoint.load(path, plain, op, group=solo)
+        out["plain"] = dict(model=_sorted(checkpoint.full_state_dict(plain)),
+                            pieces=pieces_match(plain, op, saved, saved_osd))
+    dist.barrier()
+    return to_numpy(out)

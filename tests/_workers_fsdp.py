@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -86,13 +87,13 @@ def torch_strategy(s: ShardingStrategy):
 
 
 def groups_for(strategy):
-    """(ours, torch's) process_group arguments for HYBRID_SHARD (2 x 2), else (None, None).
+    """(ours, torch's) process_group arguments for HYBRID_SHARD and _HYBRID_SHARD_ZERO2 (2 x 2), else ({}, {}).
 
     Ours gets a 2-D DeviceMesh (replicate dim first, shard second), torch the
     (shard_group, replicate_group) tuple over the same ranks: the bitwise test
     then proves our mesh path builds exactly torch's groups.
     """
-    if strategy is ShardingStrategy.HYBRID_SHARD:
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2))
@@ -100,16 +101,32 @@ def groups_for(strategy):
     return {}, {}
 
 
+def fsdp_pair(kind, strategy, mixed_precision=None, use_orig_params=False, collectives="torch"):
+    """(ours, torch FSDP1) on ``make_model(kind)``, nested wrapping, the same strategy, groups and MixedPrecision.
+
+    ``mixed_precision`` is ours (``minifsdp.MixedPrecision``); torch's side gets torch's with the same dtypes.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision as TorchMP
+
+    ours_groups, torch_groups = groups_for(strategy)
+    mp = mixed_precision
+    torch_mp = None if mp is None else TorchMP(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                                               buffer_dtype=mp.buffer_dtype)
+    ours = FSDP(make_model(kind), **ours_groups, sharding_strategy=strategy, mixed_precision=mp,
+                use_orig_params=use_orig_params, auto_wrap_policy=policy(kind, True), collectives=collectives)
+    theirs = TorchFSDP(make_model(kind), **torch_groups, sharding_strategy=torch_strategy(strategy),
+                       mixed_precision=torch_mp, use_orig_params=use_orig_params,
+                       auto_wrap_policy=policy(kind, False), device_id=torch.device("cpu"))
+    return ours, theirs
+
+
 def run_variant(kind, strategy, opt_name, collectives="torch"):
     """Ours and torch FSDP1 on the same seed and data; returns both summaries."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    ours_groups, torch_groups = groups_for(strategy)
-    ours = FSDP(make_model(kind), **ours_groups, sharding_strategy=strategy,
-                auto_wrap_policy=policy(kind, True), collectives=collectives)
-    theirs = TorchFSDP(make_model(kind), **torch_groups, sharding_strategy=torch_strategy(strategy),
-                       auto_wrap_policy=policy(kind, False), device_id=torch.device("cpu"), use_orig_params=False)
+    ours, theirs = fsdp_pair(kind, strategy, collectives=collectives)
     out = {}
     for name, model in (("ours", ours), ("torch", theirs)):
         losses, norms = train(model, kind, opt_name, rank, world)
@@ -179,6 +196,34 @@ def pairs(a, b):
     a, b = list(a), list(b)
     assert len(a) == len(b), f"{len(a)} items against {len(b)}"
     return zip(a, b)
+
+
+def assert_bitwise(ours, theirs, what: str = "result") -> None:
+    """``ours`` is bit for bit ``theirs``: the one comparison the side-by-side parity tests share.
+
+    Nested dicts (the same keys in the same order), lists and tuples (the same length: a shorter
+    one fails), numpy arrays (the same dtype, shape and bytes: ``-0.0`` is not ``0.0``, and a NaN
+    equals only the same NaN), anything else by ``==``.  A failure names the path to the first
+    difference and, for arrays, how many numbers differ and by how much at most.
+    """
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        assert list(ours) == list(theirs), f"{what}: keys {list(ours)} vs {list(theirs)}"
+        for k in ours:
+            assert_bitwise(ours[k], theirs[k], f"{what}[{k!r}]")
+    elif isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), f"{what}: {len(ours)} items against {len(theirs)}"
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_bitwise(a, b, f"{what}[{i}]")
+    elif isinstance(ours, np.ndarray) or isinstance(theirs, np.ndarray):
+        a, b = np.asarray(ours), np.asarray(theirs)
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        if a.tobytes() != b.tobytes():
+            differ = a != b if a.dtype.kind != "f" else ~((a == b) & (np.signbit(a) == np.signbit(b)))
+            diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+            raise AssertionError(f"{what}: {int(differ.sum())} of {a.size} numbers differ, max abs difference "
+                                 f"{np.nanmax(diff) if diff.size else 0:.3g}")
+    else:
+        assert ours == theirs, f"{what}: {ours!r} vs {theirs!r}"
 
 
 def full_items(ours: dict, theirs: dict, kind: str = "gpt"):

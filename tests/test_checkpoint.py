@@ -22,6 +22,7 @@ from minifsdp import checkpoint
 from minifsdp.checkpoint import CheckpointManager
 from minifsdp.models import MLP, TinyGPT
 from tests import _workers_checkpoint as w
+from tests._workers_fsdp import assert_bitwise, full_items
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +217,41 @@ def test_reshard_at_4_ranks_into_another_strategy(four_ranks, layout):
         # a sharded save of a replicated layout writes every number once: NO_SHARD rank 0, HYBRID the first pair
         want = {"NO_SHARD": ["rank00000.pt"], "HYBRID_SHARD": ["rank00000.pt", "rank00001.pt"]}
         assert rec["written"] == want.get(layout, [f"rank{i:05d}.pt" for i in range(4)])
+
+
+@pytest.fixture(scope="module")
+def hybrid_save(tmp_path_factory):
+    return minifsdp.spawn(w.hybrid_save_worker, args=(str(tmp_path_factory.mktemp("ckpt_hybrid")),), world_size=4,
+                          timeout_s=300)
+
+
+@pytest.mark.timeout(400)
+def test_sharded_save_at_hybrid_layout_keys_pieces_by_shard_rank(hybrid_save):
+    """A sharded save at HYBRID_SHARD, shard groups {0, 1} and {2, 3}: global rank 2 is shard rank 0.
+
+    Each rank's pieces are its shard of each parameter, found from its rank in the shard group: the
+    global rank (the same number at 2 ranks, or in the first replica) would miss or misplace them on
+    ranks 2 and 3.  Oracles, all bitwise: torch FSDP1 HYBRID_SHARD on the same groups, seed and data for
+    the 3 steps (ours never stopping is its twin); the same layout loading the checkpoint and taking the
+    3rd step equals both; loaded at 3 ranks (FULL_SHARD), at 2 ranks (SHARD_GRAD_OP, ``use_orig_params=True``)
+    and into the plain TinyGPT, every parameter and AdamW state equals what was saved.  The loads at 3 and 2
+    ranks also check each layout's last rank: its range ends in padding at 3 ranks, on a real number at 2.
+    """
+    runs = hybrid_save
+    assert [r["shard rank"] for r in runs] == [0, 1, 0, 1]
+    assert runs[0]["written"] == ["rank00000.pt", "rank00001.pt"]  # the first replica writes, once
+    for rank, r in enumerate(runs):  # the run that never stopped is torch FSDP1's
+        assert r["never stopped"]["losses"] == r["torch"]["losses"], rank
+        for name, a, b in full_items(r["never stopped"]["full"], r["torch"]["full"]):
+            assert_bitwise(a, b, f"rank {rank} never stopped vs torch FSDP1: {name}")
+    for rank, r in enumerate(runs):  # what each rank loaded at the same layout is what was saved
+        assert r["resumed"]["extra"] == {"step": 2, "rank": rank}
+        assert_bitwise(r["resumed"]["loaded"], r["saved"], f"rank {rank} loaded at the same layout")
+    for rank, r in enumerate(runs):  # and its next step is the one that never stopped took
+        assert r["resumed"]["losses"] == r["torch"]["losses"], rank
+        assert_bitwise(r["resumed"]["full"], r["never stopped"]["full"], f"rank {rank} resumed vs never stopped")
+    for n in (3, 2):
+        for rank, r in enumerate(runs[:n]):
+            assert_bitwise(r[f"{n} ranks"], r["saved"], f"rank {rank} loaded at {n} ranks")
+    assert runs[0]["plain"]["pieces"] == []
+    assert_bitwise(runs[0]["plain"]["model"], runs[0]["saved"]["model"], "the plain model")

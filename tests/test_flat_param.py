@@ -5,10 +5,11 @@ Layout parity with torch FSDP1 across ranks (each rank's shard equals torch's
 ``test_fsdp_parity.py`` (use_orig_params=False and, with its 16-byte alignment, True).
 """
 
+import pytest
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp.core.flat_param import build_layout, flatten, shard, unflatten
+from minifsdp import build_layout, flatten, shard, unflatten
 from minifsdp.models import MLP, TinyGPT
 
 
@@ -71,3 +72,58 @@ def test_local_pieces_cover_each_parameter_once():
         for i, (lo, hi) in enumerate(layout.local_pieces(r)):
             covered[i] += hi - lo
     assert covered == [s.numel for s in layout.slots]
+
+
+class _Params(nn.Module):
+    """Parameters of the given sizes, holding 1, 2, 3, ... in flat order (so padding, 0, stands out)."""
+
+    def __init__(self, numels):
+        super().__init__()
+        start = 1
+        for i, n in enumerate(numels):
+            setattr(self, f"p{i}", nn.Parameter(torch.arange(start, start + n, dtype=torch.float32)))
+            start += n
+
+
+# totals 1, 5, 7, 11, 13, 25: none is a multiple of 2, 3 or 4, so every sharded layout pads its last shards;
+# and 12, which all of them divide: there the last rank's range ends on a real number, not on padding
+SIZES = [(1,), (5,), (3, 4), (6, 2, 3), (7, 6), (10, 1, 2, 12), (8, 4)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("numels", SIZES, ids=lambda s: "+".join(map(str, s)))
+def test_shard_ranges_are_torch_fsdp1_shards(numels, world):
+    """Each rank's shard range, its shard and its pieces are torch FSDP1's, the last ranks' included.
+
+    Oracle: torch FSDP1's own sharding rule, ``FlatParamHandle._get_shard`` /
+    ``_get_unpadded_shard``: ``flat.chunk(N)[r]`` padded with zeros to the first chunk's size, and
+    an all-padding shard for a rank past the last chunk (5 numbers on 4 ranks: chunks 2, 2, 1, none).
+    Bitwise: ``flatten(layout)[shard_range(r)]`` and ``shard(flat, r, N)`` are torch's padded shard,
+    ``local_pieces(r)`` cuts each parameter where torch's chunk does.
+    """
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    m = _Params(numels)
+    layout = build_layout(m, list(m.parameters()), world_size=world)
+    total = sum(numels)
+    assert (layout.numel, layout.padded_numel) == (total, -(-total // world) * world)
+    flat = flatten(layout)
+    unpadded = torch.cat([p.detach() for p in m.parameters()])
+    positions = torch.arange(total)
+    ends = []
+    for r in range(world):
+        want, pad = FlatParamHandle._get_shard(unpadded, r, world)
+        start, end = layout.shard_range(r)
+        assert end - start == want.numel(), (r, (start, end), want.numel())
+        assert torch.equal(flat[start:end], want), (r, flat[start:end], want)
+        assert torch.equal(shard(flat, r, world), want), r
+        chunk, _ = FlatParamHandle._get_unpadded_shard(positions, r, world)  # which flat numbers torch gives r
+        lo = int(chunk[0]) if chunk.numel() else total
+        expect = []
+        for s in layout.slots:
+            a, b = max(s.offset, lo), min(s.offset + s.numel, lo + chunk.numel())
+            expect.append((a - lo, b - lo) if a < b else (0, 0))
+        assert layout.local_pieces(r) == expect, (r, layout.local_pieces(r), expect)
+        ends.append((start, end))
+    assert ends[0][0] == 0 and ends[-1][1] == layout.padded_numel
+    assert all(e == s for (_, e), (s, _) in zip(ends, ends[1:]))  # the ranges tile the padded buffer

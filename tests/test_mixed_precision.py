@@ -12,6 +12,12 @@ collectives, so every rounding happens at the same place.
 The ShardedGradScaler oracle is torch's ``torch.distributed.fsdp.sharded_grad_scaler.
 ShardedGradScaler(device="cpu")``, fp16, an inf injected into rank 1's gradient shard
 only: bitwise parameters, the same scale sequence, and both ranks skip that step.
+
+Two regimes at the end, each bitwise against torch FSDP1 on the MLP, SGD with momentum
+(``tests/_workers_mixed_precision.py``): NO_SHARD with a bf16 ``param_dtype`` accumulating two
+backwards (inside ``no_sync``, or with no ``zero_grad`` between steps), 2 ranks; and fp16 compute
+and reduce at 4 ranks with the loss times 1e-4, where torch's split of the average (divide by 2
+before the sum, by 2 after) rounds small fp16 gradients differently from one divide by 4.
 """
 
 import numpy as np
@@ -20,8 +26,9 @@ import pytest
 import minifsdp
 from minifsdp.fsdp import MixedPrecision, ShardedGradScaler
 from minifsdp.fsdp.core.mixed_precision import resolve_dtypes
+from tests import _workers_mixed_precision as R
 from tests import _workers_overlap as W
-from tests._workers_fsdp import full_items, pairs
+from tests._workers_fsdp import assert_bitwise, full_items, pairs
 
 CASES = [(name, s) for name in W.MP_CASES for s in ("FULL_SHARD", "SHARD_GRAD_OP")] + [("bf16", "orig_params")]
 
@@ -94,3 +101,57 @@ def test_bad_arguments():
     assert (d.param, d.reduce) == (torch.float16, torch.float16)
     d = resolve_dtypes(MixedPrecision(reduce_dtype=torch.bfloat16), torch.float32)
     assert (d.param, d.reduce) == (torch.float32, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- regimes: accumulation, fp16 averaging at 4 ranks
+@pytest.fixture(scope="module")
+def accumulation():
+    return minifsdp.spawn(R.no_shard_accumulation_worker, world_size=2, timeout_s=240)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("orig", [False, True], ids=["flat_grads", "orig_param_grads"])
+@pytest.mark.parametrize("schedule", ["no_sync", "no_zero_grad"])
+def test_no_shard_bf16_gradient_accumulation_bitwise_vs_torch_fsdp1(accumulation, schedule, orig):
+    """NO_SHARD + ``MixedPrecision(param_dtype=bf16)``, 2 ranks, the MLP: two backwards that accumulate, either
+    the first inside ``no_sync()`` and the second synced, or one per step with no ``zero_grad`` between steps.
+
+    There torch's flat parameter is the bf16 leaf while the backward runs, so its AccumulateGrad adds the new
+    bf16 gradient into ``flat_param.grad`` (bf16 after a no_sync backward, fp32 after a synced one) before the
+    all-reduce; we keep our leaf apart and must add by the same rule.  Oracle: torch FSDP1, same model, seed,
+    data, SGD with momentum.  Bitwise: after every backward each gradient's dtype and numbers (the flat
+    gradient, ``use_orig_params=False``; each original parameter's, ``use_orig_params=True``), after every step
+    the parameters, and the losses.
+    """
+    for rank, res in enumerate(accumulation):
+        rec = res[(schedule, orig)]
+        assert_bitwise(rec["ours"], rec["torch"], f"rank {rank}")
+        dtypes = {d for g in rec["torch"]["grads"] for d, _ in g.values()}
+        if schedule == "no_sync" and not orig:  # the no_sync gradient is torch's bf16 leaf's, the synced one fp32
+            assert dtypes == {"torch.bfloat16", "torch.float32"}, dtypes
+        assert all(v is not None and np.any(v) for g in rec["torch"]["grads"] for _, v in g.values())
+
+
+@pytest.fixture(scope="module")
+def fp16_four_ranks():
+    return minifsdp.spawn(R.fp16_small_grads_worker, args=(["FULL_SHARD", "NO_SHARD"],), world_size=4, timeout_s=240)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_fp16_small_gradients_at_4_ranks_bitwise_vs_torch_fsdp1(fp16_four_ranks, strategy):
+    """``MixedPrecision(param_dtype=fp16, reduce_dtype=fp16)`` at 4 ranks with the loss times 1e-4: gradients
+    near fp16's smallest normal number, reduced in fp16.
+
+    torch divides each rank's gradient by f = 2 before the sum and the sum by N / f = 2 after; dividing by 4
+    once, before, rounds small fp16 numbers differently (at 2 ranks f = N, so only 4 ranks tell the two apart,
+    and in fp32 both are exact).  Oracle: torch FSDP1, same model, seed and data.  Bitwise: every gradient the
+    optimizer reads (each rank's fp32 flat shard, or the whole flat gradient under NO_SHARD), the parameters
+    after each SGD step, the losses.
+    """
+    for rank, res in enumerate(fp16_four_ranks):
+        rec = res[strategy]
+        assert_bitwise(rec["ours"], rec["torch"], f"rank {rank}")
+        numbers = np.concatenate([v for g in rec["torch"]["grads"] for _, v in g.values() if v is not None])
+        small = (numbers != 0) & (np.abs(numbers) < 2.0 ** -10)
+        assert small.mean() > 0.5, "the gradients must be small for fp16 rounding to matter"
