@@ -31,7 +31,7 @@ import minifsdp
 from minifsdp import checkpoint
 from minifsdp.checkpoint import resume
 from minifsdp.fsdp import FSDP
-from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy
+from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
 from minifsdp.models import MLP
 
 STEPS, EVERY = 8, 2

@@ -18,8 +18,9 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_siz
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_block_policy
 
 from minifsdp.fsdp import FSDP
-from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.fsdp.deferred_init import tinygpt_param_init_fn
+from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
 from minifsdp.memory.tracker import MemoryTracker, without_resident
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
 from tests._workers_fsdp import _error_of  # (type name, message) of what fn raises, or None

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.ddp.distributed import backend_devices, check_backend_supports, collective_device, verify_same_shapes
+from minifsdp.comm.devices import backend_devices, check_backend_supports, collective_device
+from minifsdp.ddp.distributed import verify_same_shapes
 from minifsdp.fsdp.checks import broadcast_from_rank0, check_same_on_all_ranks
 from minifsdp.fsdp.core.strategy import ShardingStrategy, resolve_groups
 from minifsdp.fsdp.grad_scaler import ShardedGradScaler

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minifsdp.fsdp import FSDP, ShardingStrategy
-from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-from minifsdp.fsdp.torch_options import hybrid_groups
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
+from minifsdp.fsdp.torch_options import hybrid_groups, size_based_auto_wrap_policy
 from minifsdp.models import MLP, Block, CharCorpus, TinyGPT
 
 STEPS = 5

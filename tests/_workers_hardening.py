@@ -26,7 +26,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_siz
 from minifsdp.fsdp import FSDP, BackwardPrefetch, MixedPrecision, ShardingStrategy
 from minifsdp.fsdp.core.full_params import full_state_dict
 from minifsdp.fsdp.core.units import clean_name
-from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy
+from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
 from minifsdp.models import Block as GPTBlock
 from minifsdp.models import GPTConfig, TinyGPT
 

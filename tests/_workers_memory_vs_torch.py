@@ -164,12 +164,12 @@ def frees_worker(collectives: str, fault: str | None = None) -> dict:
               "reduce_scatters": 0}
     kept = []
     for h in handles:
-        def reduce_scatter(out, inp, group, async_op=False, _h=h, _orig=h.comm.reduce_scatter):
+        def reduce_scatter(out, inp, op="sum", group=None, async_op=False, _h=h, _orig=h.comm.reduce_scatter):
             given[id(_h)].append(weakref.ref(inp.untyped_storage()))
             if fault == "keep_grad":
                 kept.append(inp)
             report["reduce_scatters"] += 1
-            return _orig(out, inp, group, async_op=async_op)
+            return _orig(out, inp, op=op, group=group, async_op=async_op)
 
         h.comm = copy.copy(h.comm)  # this unit's own, so that each unit's calls are told apart
         h.comm.reduce_scatter = reduce_scatter

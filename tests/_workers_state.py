@@ -8,7 +8,7 @@ import torch
 
 from minifsdp.fsdp import FSDP
 from minifsdp.fsdp.core.units import clean_name, units
-from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy
+from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
 from minifsdp.models import MLP
 
 
@@ -44,13 +44,13 @@ def state_trace_worker() -> dict:
     trace = []
     for unit in units(model):
         h = unit._handle
-        orig = h.start_reduce
+        orig = h.gradient.start_reduce
 
         def start_reduce(orig=orig, h=h):
             trace.append((h.name, _states(model)))
             orig()
 
-        h.start_reduce = start_reduce
+        h.gradient.start_reduce = start_reduce
     loss.backward()
     out["at_each_reduce"] = trace
     out["after_backward"] = _states(model)

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
 
 import minifsdp
-from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy
+from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
 
 STEPS = 2
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minifsdp.fsdp import FSDP
-from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy
+from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
 
 STEPS = 3
 

@@ -26,7 +26,7 @@ import torch.utils.checkpoint as torch_cp
 
 import minifsdp
 from exercises.solutions import fsdp_ops as reference_ops
-from minifsdp.ddp.distributed import backend_devices, check_backend_supports, collective_device
+from minifsdp.comm.devices import backend_devices, check_backend_supports, collective_device
 from minifsdp.fsdp.activation_checkpointing import _autocast_state, _input_devices, checkpoint
 from minifsdp.fsdp.core import full_params
 from minifsdp.models import TinyGPT

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minifsdp.comm import get_collectives
-from minifsdp.ddp.distributed import collective_device
+from minifsdp.comm.devices import collective_device
 from minifsdp.fsdp.core.flat_param import padded_size, shard
 from minifsdp.fsdp.core.full_params import grad_norm
 from minifsdp.fsdp.core.strategy import finish_reduced_shard, predivide_factor, prepare_for_reduce_scatter

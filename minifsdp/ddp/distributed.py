@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.comm.collectives import get_collectives
+from minifsdp.comm.devices import backend_devices, check_backend_supports, collective_device
 from minifsdp.ddp.buckets import Bucket, assign_buckets, fill_buckets
 
 __all__ = ["DistributedDataParallel", "DDP", "assign_buckets", "verify_same_shapes", "backend_devices",
@@ -76,58 +77,6 @@ def _all_reduce_sum(kind: str):
         ring = get_collectives("ring")
         return lambda t, group: ring.all_reduce(t, op="sum", group=group, async_op=True)
     raise ValueError(f"collectives must be 'torch' or 'ring', got {kind!r}")
-
-
-def _name(group) -> str:
-    """The backend's name: ``group`` itself if it is one, else ``dist.get_backend(group)``."""
-    return group if isinstance(group, str) else str(dist.get_backend(group))
-
-
-def backend_devices(group=None) -> list[str]:
-    """The device types that ``group``'s backend runs collectives on.
-
-    ``group``: a process group, None (the default group), or a backend name as
-    ``init_process_group`` takes it.  "gloo" -> ["cpu", "cuda"]; "nccl" -> ["cuda"];
-    "cpu:gloo,cuda:nccl" -> ["cpu", "cuda"] (torch's ``Backend.backend_capability``
-    for a single backend, the "device:backend" pairs for a mixed one).
-    """
-    backend = _name(group).lower()
-    if ":" in backend:
-        return [pair.split(":")[0].strip() for pair in backend.split(",")]
-    return list(dist.Backend.backend_capability.get(backend, ["cpu"]))
-
-
-def collective_device(group=None, like: torch.Tensor | None = None) -> torch.device:
-    """Where a small control tensor (a checksum, a flag, a norm) must live to go through ``group``.
-
-    CPU whenever the group has a CPU backend (gloo, or the "cpu:" half of a mixed group):
-    the value is read in Python right after, so it saves a device copy, and a run on
-    gloo stays exactly what it was.  Otherwise (a plain "nccl" group) the device of
-    ``like`` (the module's parameters) if the backend takes it, else the current CUDA device,
-    as torch's own object collectives choose (``distributed_c10d._get_object_coll_device``).
-    """
-    kinds = backend_devices(group)
-    if "cpu" in kinds:
-        return torch.device("cpu")
-    if like is not None and like.device.type in kinds:
-        return like.device
-    if "cuda" in kinds and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    raise RuntimeError(f"no device for a collective on backend {_name(group)!r} "
-                       f"(it runs on {kinds}); is this process's GPU visible?")
-
-
-def check_backend_supports(group, tensors, who: str) -> None:
-    """Raise a clear error if a module tensor sits on a device ``group``'s backend cannot send (CPU on NCCL)."""
-    kinds = backend_devices(group)
-    for device in dict.fromkeys(t.device for t in tensors):
-        if device.type not in kinds:
-            raise ValueError(
-                f"{who}: the module is on {device}, but the process group's backend "
-                f"{_name(group)!r} moves only {'/'.join(kinds)} tensors. Move the module to this "
-                "rank's GPU first (module.to(torch.cuda.current_device())), or init the group with "
-                "backend='cpu:gloo,cuda:nccl' (or 'gloo') to train on CPU."
-            )
 
 
 def verify_same_shapes(module: nn.Module, group=None) -> None:

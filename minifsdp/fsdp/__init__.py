@@ -30,7 +30,6 @@ from minifsdp.fsdp.core import (
     build_layout,
     flatten,
     shard,
-    size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
     unflatten,
 )
@@ -48,7 +47,7 @@ from minifsdp.fsdp.state_dict_type import (
     StateDictSettings,
     StateDictType,
 )
-from minifsdp.fsdp.torch_options import CPUOffload, hybrid_groups
+from minifsdp.fsdp.torch_options import CPUOffload, hybrid_groups, size_based_auto_wrap_policy
 
 __all__ = [
     "FullyShardedDataParallel", "FSDP", "ShardingStrategy", "hybrid_groups", "BackwardPrefetch",

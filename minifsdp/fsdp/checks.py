@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from minifsdp.ddp.distributed import backend_devices, check_backend_supports, collective_device
+from minifsdp.comm.devices import backend_devices, check_backend_supports, collective_device
 from minifsdp.fsdp.core.units import clean_name, is_unit
 from minifsdp.fsdp.torch_handle import FLATTENED
 

@@ -48,7 +48,7 @@ from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
 from minifsdp.fsdp.core.prefetch import BackwardPrefetch
 from minifsdp.fsdp.core.state import TrainingState
 from minifsdp.fsdp.core.strategy import ShardingStrategy
-from minifsdp.fsdp.core.units import flattened_params, is_unit, units, units_with_params
+from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units, units_with_params
 from minifsdp.fsdp.core.wrap import recursive_wrap
 from minifsdp.fsdp.dtype_change import flat_param_registered
 from minifsdp.fsdp.orig_params import OrigParamHandle
@@ -117,6 +117,12 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         mixed_precision = opts.normalize_mixed_precision(mixed_precision)
         opts.check_cpu_offload(cpu_offload)
         ignored_mods, ignored = opts.ignored_params(module, ignored_modules, ignored_states)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError("mixed_precision takes a MixedPrecision(param_dtype=..., reduce_dtype=...), "
+                            f"got {type(mixed_precision).__name__} (there is no mixed_precision=True)")
+        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+            raise TypeError("backward_prefetch takes BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST "
+                            f"or None, got {backward_prefetch!r}")
         # Set before the core's __init__, which calls _auto_wrap and _make_handle below.
         self.__dict__.update(
             use_orig_params=use_orig_params, cpu_offload=cpu_offload, _ignored_modules=ignored_mods,
@@ -209,6 +215,18 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
             return super().apply(fn)
 
     summon_full_params = staticmethod(summon_full_params)
+
+    def named_parameters(self, *args, **kwargs):
+        """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
+        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield (clean_name(name) if clean else name), p
+
+    def named_buffers(self, *args, **kwargs):
+        """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
+        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield (clean_name(name) if clean else name), b
 
     def _apply(self, fn, *args, **kwargs):
         """``model.half()``, ``.to(dtype)``, ``.double()``: convert the flat parameters (``dtype_change.py``)."""

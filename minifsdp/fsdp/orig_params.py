@@ -31,11 +31,36 @@ import torch.nn as nn
 
 from minifsdp.fsdp.core.flat_param import unflatten
 from minifsdp.fsdp.core.gradient import UnitGradient, set_grad
-from minifsdp.fsdp.core.handle import clear_tensor_attr, set_tensor_attr
 from minifsdp.fsdp.core.state import GradState
 from minifsdp.fsdp.torch_handle import TorchHandle
 
-__all__ = ["OrigParamHandle", "OrigParamGradient"]
+__all__ = ["OrigParamHandle", "OrigParamGradient", "set_tensor_attr", "clear_tensor_attr"]
+
+
+def set_tensor_attr(module: nn.Module, name: str, t: torch.Tensor) -> None:
+    """Make ``module.<name>`` return ``t`` (a plain tensor), leaving ``_parameters`` as registered.
+
+    The write goes through ``setattr``, so a module that overrides ``__setattr__`` sees every
+    switch of views, as under torch FSDP1.  ``nn.Module.__setattr__`` refuses a plain tensor
+    under a registered parameter's name, so that name leaves ``_parameters`` for the write and
+    comes back in its place.
+    """
+    params = module._parameters
+    if name not in params:
+        setattr(module, name, t)
+        return
+    registered = dict(params)
+    del params[name]
+    try:
+        setattr(module, name, t)
+    finally:
+        params.clear()
+        params.update(registered)  # the same names in the same order
+
+
+def clear_tensor_attr(module: nn.Module, name: str) -> None:
+    """Undo :func:`set_tensor_attr`: ``module.<name>`` is the registered parameter (if any) again."""
+    module.__dict__.pop(name, None)
 
 
 class OrigParamGradient(UnitGradient):

@@ -54,10 +54,12 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 
-from minifsdp.fsdp.core.full_params import buffer_dtype_of, full_state_dict, load_full_state_dict
-from minifsdp.fsdp.core.units import Unit, clean_name, units
+from minifsdp.fsdp.core import full_params
+from minifsdp.fsdp.core.full_params import buffer_dtype_of, full_state_dict
+from minifsdp.fsdp.core.units import Unit, clean_name, units, units_with_params
 
-__all__ = ["StateDictType", "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig",
+__all__ = ["load_full_state_dict", "StateDictType", "StateDictConfig", "FullStateDictConfig",
+           "ShardedStateDictConfig",
            "LocalStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig",
            "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "StateDictSettings",
            "set_state_dict_type", "get_state_dict_type", "state_dict_type", "settings_of",
@@ -69,6 +71,53 @@ _CONFIGS = {
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
 _DEFAULT = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+
+
+def _flattened_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[tuple[int, str], torch.Size]]:
+    """(id(submodule) -> the names its parameters had before flattening, in the order summon registers
+    them: its own slots, then its tied names; (id, name) -> the full shape)."""
+    names, shapes = {}, {}
+    for u in units_with_params(module):
+        layout = u._handle.layout
+        for s in layout.slots:
+            names.setdefault(id(s.module), []).append(s.name)
+            shapes[id(s.module), s.name] = s.shape
+        for sh in layout.shared:
+            names.setdefault(id(sh.module), []).append(sh.name)
+            shapes[id(sh.module), sh.name] = layout.slots[sh.primary].shape
+    return names, shapes
+
+
+def load_full_state_dict(module: nn.Module, state_dict, strict: bool = True) -> _IncompatibleKeys:
+    """The core's ``load_full_state_dict`` after torch's checks: returns ``_IncompatibleKeys``; ``strict``
+    raises torch's message for either list, and a size mismatch always raises.  Every check comes before
+    anything is copied (from the layouts: no all-gather), so a refused state dict leaves the model as it was."""
+    flattened, full_shapes = _flattened_names(module)
+    flat_ids = {id(u._handle.flat_param) for u in units_with_params(module)}
+    expected: dict[str, torch.Size] = {}
+
+    def expect(m, prefix):
+        for name in full_params._param_names(m, flattened, flat_ids):
+            expected[clean_name(prefix + name)] = full_shapes.get((id(m), name), getattr(m, name).shape)
+        for name in full_params._persistent_buffers(m):
+            expected[clean_name(prefix + name)] = m._buffers[name].shape
+
+    full_params._walk(module, expect, gather=False)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    errors = []  # torch's messages, in its order
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+    errors += [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from checkpoint, the "
+               f"shape in current model is {shape}." for k, shape in expected.items()
+               if k in state_dict and tuple(state_dict[k].shape) != tuple(shape)]
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+            type(module).__name__, "\n\t".join(errors)))
+    full_params.load_full_state_dict(module, state_dict)
+    return _IncompatibleKeys(missing, unexpected)
 
 
 def settings_of(unit: nn.Module) -> StateDictSettings:

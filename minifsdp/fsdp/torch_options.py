@@ -5,6 +5,8 @@
          backward_prefetch=torch.distributed.fsdp.BackwardPrefetch.BACKWARD_PRE, device_id=torch.device("cpu"))
 
     keyword                          what it becomes here
+    auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=...)
+                                     torch's other policy (the core's wrap.py has the transformer one)
     device_mesh=init_device_mesh(...) the process group(s) the core takes (HYBRID: (shard, replicate))
     sharding_strategy=None           FULL_SHARD (torch reads None so)
     torch's ShardingStrategy, BackwardPrefetch, MixedPrecision
@@ -39,9 +41,25 @@ from minifsdp.fsdp.core.prefetch import BackwardPrefetch
 from minifsdp.fsdp.core.strategy import HYBRID, ShardingStrategy
 from minifsdp.fsdp.core.units import is_unit
 
-__all__ = ["CPUOffload", "hybrid_groups", "mesh_process_group", "normalize_strategy", "normalize_prefetch",
-           "normalize_mixed_precision", "check_cpu_offload", "check_homogeneous", "ignored_params",
-           "policy_with_mp_overrides", "override_mixed_precision"]
+__all__ = ["CPUOffload", "size_based_auto_wrap_policy", "hybrid_groups", "mesh_process_group", "normalize_strategy",
+           "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload", "check_homogeneous",
+           "ignored_params", "policy_with_mp_overrides", "override_mixed_precision"]
+
+
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                min_num_params: int = int(1e8), force_leaf_modules: set[type] | None = None,
+                                exclude_wrap_modules: set[type] | None = None) -> bool:
+    """Wrap a module once it holds at least ``min_num_params`` not-yet-wrapped parameters.
+
+    As torch: never look inside ``nn.MultiheadAttention`` (its forward reads its weights
+    directly), never wrap a bare ``ModuleList`` / ``ModuleDict`` (no forward to hook).
+    """
+    force_leaf_modules = {nn.MultiheadAttention} if force_leaf_modules is None else force_leaf_modules
+    exclude_wrap_modules = {nn.ModuleList, nn.ModuleDict} if exclude_wrap_modules is None else exclude_wrap_modules
+    is_large = nonwrapped_numel >= min_num_params
+    if recurse:
+        return is_large and not isinstance(module, tuple(force_leaf_modules))
+    return is_large and not isinstance(module, tuple(exclude_wrap_modules))
 
 
 def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

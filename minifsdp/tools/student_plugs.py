@@ -42,7 +42,6 @@ import torch.nn as nn
 
 from minifsdp.comm import collectives as our_ring
 from minifsdp.fsdp.core.flat_param import unflatten as our_unflatten
-from minifsdp.fsdp.core.handle import set_tensor_attr
 from minifsdp.fsdp.core.prefetch import ExecutionOrder
 from minifsdp.fsdp.core.prefetch import prefetch_target as our_prefetch_target
 from minifsdp.fsdp.core.units import clean_name, is_unit, units, units_with_params
@@ -217,9 +216,9 @@ class StudentHandle(TorchHandle):
                 problem = f"{s.fqn} is a copy, not a view of the flat buffer (FSDP would hold it twice)"
             plug.note("unflatten", f"unit {self.name}, {s.fqn}: {problem}" if problem else None)
         for s, v in zip(slots, views):
-            set_tensor_attr(s.module, s.name, v)
+            setattr(s.module, s.name, v)
         for sh in self.layout.shared:
-            set_tensor_attr(sh.module, sh.name, views[sh.primary])
+            setattr(sh.module, sh.name, views[sh.primary])
 
 
 def _unit_name(unit) -> str:

@@ -24,8 +24,8 @@ from minifsdp.fsdp.core.fsdp import FullyShardedDataParallel
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision
 from minifsdp.fsdp.core.prefetch import BackwardPrefetch
 from minifsdp.fsdp.core.strategy import ShardingStrategy
-from minifsdp.fsdp.core.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
-           "size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "FlatParamLayout", "build_layout",
+           "transformer_auto_wrap_policy", "FlatParamLayout", "build_layout",
            "flatten", "shard", "unflatten"]

@@ -15,8 +15,6 @@ Each is torch FSDP1's (``torch/distributed/fsdp/_runtime_utils.py``): ``_pre_bac
                                             pre b0 .. post b0 (free, RS b0) ... final callback
 """
 
-from __future__ import annotations
-
 import functools
 
 import torch
@@ -24,8 +22,6 @@ import torch
 from minifsdp.fsdp.core.prefetch import BackwardPrefetch, prefetch
 from minifsdp.fsdp.core.state import TrainingState
 from minifsdp.fsdp.core.strategy import RESHARD_AFTER_FORWARD
-
-__all__ = ["pre_backward", "post_backward", "final_callback", "frees_in_backward", "prefetch_after"]
 
 
 def frees_in_backward(unit) -> bool:

@@ -1,9 +1,8 @@
 """Flat parameters (chapter 2.1): many parameters -> one 1-D buffer -> N equal shards.
 
-For each unit FSDP takes the unit's own parameters (those no nested unit owns) in
-``named_parameters()`` order, flattens them into one 1-D buffer, pads the end with zeros
-to a multiple of the world size N, and gives rank r the r-th 1/N.  One buffer means one
-all-gather and one reduce-scatter per unit, not one per tensor.
+For each unit FSDP takes the unit's own parameters in ``named_parameters()`` order,
+flattens them into one 1-D buffer, pads the end with zeros to a multiple of the world
+size N, and gives rank r the r-th 1/N: one all-gather and one reduce-scatter per unit.
 
     Linear(3 -> 2) (weight 2x3, bias 2) + a 1-number scale, N = 4: numel 9 -> padded to 12
 
@@ -11,32 +10,22 @@ all-gather and one reduce-scatter per unit, not one per tensor.
              |--rank 0--|--rank 1--|--rank 2--|--rank 3--|
     rank 0 keeps [w0 w1 w2], rank 1 [w3 w4 w5], rank 2 [b0 b1 s0], rank 3 [p p p]
 
-A shard is a slice of numbers, not of tensors: a parameter may straddle two shards.
-When the unit runs, the shards are all-gathered back into the full buffer and every
-original parameter becomes a *view* into it (:func:`unflatten`): no copy, and the
-views' gradients land in the flat buffer's gradient.
+A shard is a slice of numbers, not of tensors.  When the unit runs, the shards are
+all-gathered into the full buffer and every original parameter becomes a *view* into it
+(:func:`unflatten`): no copy, and the views' gradients land in the buffer's gradient.
 
-Note (layout parity with torch): the order is torch FSDP1's (``_flat_param.py``):
-``named_modules()`` then each submodule's own parameters; a parameter seen again (a
-tied weight, TinyGPT's ``lm_head.weight is tok_emb.weight``) is *shared* under its
-first name, not flattened twice; the shard is ``flat.chunk(N)[r]`` padded to the first
-chunk's size, the same as padding the end.  With ``align_numel`` (torch aligns each
-parameter to 16 bytes when ``use_orig_params=True``) each parameter starts at a multiple
-of it; our gaps hold zeros (torch's hold 42, a debugging marker never read).
-
-Note (buffers, frozen parameters): buffers are never flattened; every rank keeps them
-whole.  A flat parameter has one ``requires_grad``.
+Note (layout parity with torch): torch FSDP1's order (``_flat_param.py``); a parameter seen
+again (a tied weight, TinyGPT's ``lm_head.weight is tok_emb.weight``) is *shared* under its
+first name, not flattened twice; the shard is ``flat.chunk(N)[r]`` padded to the first chunk's
+size.  With ``align_numel`` (torch's 16 bytes with ``use_orig_params=True``) each parameter
+starts at a multiple of it; our gaps hold zeros (torch's 42, a marker never read).  Buffers
+are never flattened: every rank keeps them whole.
 """
-
-from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-
-__all__ = ["ParamSlot", "SharedSlot", "FlatParamLayout", "padded_size", "overlap", "build_layout", "flatten",
-           "shard", "unflatten"]
 
 
 def padded_size(numel: int, world_size: int) -> int:
@@ -45,15 +34,8 @@ def padded_size(numel: int, world_size: int) -> int:
 
 
 def overlap(offset: int, numel: int, start: int, end: int) -> tuple[int, int, int, int] | None:
-    """The part of the numbers ``[offset, offset + numel)`` inside the window ``[start, end)``.
-
-        numbers         [offset ............... offset+numel)
-        window                  [start ................... end)
-        overlap                 [a ............ b)
-
-    Returns ``(a - offset, b - offset, a - start, b - start)`` (counted from the numbers'
-    start, then the window's), or None if empty.
-    """
+    """The part ``[a, b)`` of the numbers ``[offset, offset + numel)`` inside the window ``[start, end)``:
+    ``(a - offset, b - offset, a - start, b - start)`` (from the numbers' start, then the window's), or None."""
     a, b = max(offset, start), min(offset + numel, end)
     return (a - offset, b - offset, a - start, b - start) if a < b else None
 
@@ -84,11 +66,8 @@ class SharedSlot:
 
 @dataclass
 class FlatParamLayout:
-    """The map between original parameters and the flat buffer, for world size N.
-
-    ``numel``: end of the last parameter; ``padded_numel``: a multiple of N;
-    ``shard_numel = padded_numel // N``: what every rank keeps.
-    """
+    """The map between original parameters and the flat buffer, for world size N: ``numel`` ends the last
+    parameter, ``padded_numel`` is a multiple of N, every rank keeps ``shard_numel = padded_numel // N``."""
 
     slots: list[ParamSlot]
     shared: list[SharedSlot] = field(default_factory=list)
@@ -124,10 +103,8 @@ class FlatParamLayout:
 
 
 def build_layout(module: nn.Module, params: list[nn.Parameter], world_size: int, align_numel: int = 0):
-    """Lay out ``params`` (the unit's own parameters) of ``module`` in torch FSDP1's order.
-
-    The first name met for a tensor owns it; later names become :class:`SharedSlot` s.
-    """
+    """Lay out ``params`` (the unit's own parameters) of ``module`` in torch FSDP1's order; the first name
+    met for a tensor owns it, later names become :class:`SharedSlot` s."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     wanted = set(params)
@@ -172,11 +149,8 @@ def shard(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def unflatten(flat: torch.Tensor, layout: FlatParamLayout) -> list[torch.Tensor]:
-    """Views of the full flat buffer, one per slot, in the original shapes (no copy).
-
-    One ``split`` (as torch): autograd sees a single node that gathers the views'
-    gradients into one flat gradient.
-    """
+    """Views of the full flat buffer, one per slot, in the original shapes (no copy).  One ``split``, as
+    torch: autograd sees a single node that gathers the views' gradients into one flat gradient."""
     sizes, keep, pos = [], [], 0
     for s in layout.slots:
         if s.offset > pos:  # an alignment gap

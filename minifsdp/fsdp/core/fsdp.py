@@ -5,34 +5,24 @@
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # AFTER wrapping: it steps the local shards
     loss = model(x, y); loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
-Each wrapped module is a *unit* with one flat parameter (``flat_param.py``).  A step, for
-a root with two nested units, FULL_SHARD (AG = all-gather, RS = reduce-scatter):
+Each wrapped module is a *unit* with one flat parameter.  A step, for a root with two nested
+units, FULL_SHARD (AG = all-gather, RS = reduce-scatter):
 
     forward:   AG root | AG b0, run b0, free b0 | AG b1, run b1, free b1 | run root tail
     backward:           AG b1, grad b1, RS b1, free | AG b0, grad b0, RS b0, free | grad root, ...
     end:       final callback at the root: the last RS finishes, every shard has its gradient
 
-Two objects per unit, each with one job, and calls go one way (unit -> handle):
-
-    FullyShardedDataParallel (this module)   hooks, order, TrainingState: decides *when*
-    FlatParamHandle (``handle.py``)           tensors and collectives, HandleState: does *what*
-
+Two objects per unit, and calls go one way: this class decides *when* (hooks, order,
+TrainingState); its ``FlatParamHandle`` (``handle.py``) does *what* (tensors, collectives).
 The forward is here, the backward's hooks in ``backward.py``.
 
-Note (root): the outermost unit whose forward runs first is the root.  At that first forward
-it lists every unit below it, tells each who its root is, and casts floating-point buffers to
-``MixedPrecision.buffer_dtype`` once.  Its ``RootStep`` keeps the step's bookkeeping: the units'
-execution order (``prefetch.py``), whether the final callback is queued, and the shards'
-versions at a forward awaiting its backward, so an optimizer step in between is caught.
+Note (root): the outermost unit, whose forward runs first.  At that first forward it lists
+every unit below it and casts floating-point buffers to ``MixedPrecision.buffer_dtype`` once;
+its ``RootStep`` keeps the units' execution order and whether the final callback is queued.
 
-Note (the optimizer): ``model.parameters()`` after wrapping yields each unit's ``flat_param``
-(the local 1-D shard).  Build the optimizer after wrapping.
-
-This is the class to read.  ``minifsdp.FullyShardedDataParallel`` (``minifsdp/fsdp/fully_sharded.py``)
-extends it with the rest of torch FSDP1's API; this one never imports that.
+This is the class to read; ``minifsdp.FSDP`` (``minifsdp/fsdp/fully_sharded.py``) extends it
+with the rest of torch FSDP1's API, and this one never imports that.
 """
-
-from __future__ import annotations
 
 import contextlib
 import functools
@@ -56,8 +46,6 @@ from minifsdp.fsdp.core.strategy import RESHARD_AFTER_FORWARD, ShardingStrategy,
 from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units
 from minifsdp.fsdp.core.wrap import recursive_wrap
 
-__all__ = ["FullyShardedDataParallel", "RootStep", "check_flattenable"]
-
 
 @dataclass
 class RootStep:
@@ -71,18 +59,16 @@ class RootStep:
 
 def check_flattenable(module: nn.Module, params: list, mixed_requires_grad: bool = False) -> None:
     """One flat parameter has one dtype and one ``requires_grad``: refuse a unit that mixes them."""
-    dtypes = {d: next(n for n, p in module.named_parameters() if p in set(params) and p.dtype == d)
-              for d in {p.dtype for p in params}}
+    named = [(n, p) for n, p in module.named_parameters() if p in set(params)]
+    dtypes = {p.dtype: n for n, p in reversed(named)}  # each dtype's first parameter
     if len(dtypes) > 1:
-        raise ValueError(
-            "FSDP unit mixes parameter dtypes (" + ", ".join(f"{n}: {d}" for d, n in dtypes.items()) + "); one flat "
-            "parameter has one dtype (torch: 'Must flatten tensors with uniform dtype'). Cast the module to one "
-            "dtype first (module.to(torch.float32)), or wrap the odd part in its own unit.")
-    if not mixed_requires_grad and len({p.requires_grad for p in params}) > 1:
-        frozen = [n for n, p in module.named_parameters() if p in set(params) and not p.requires_grad]
-        raise ValueError(f"FSDP unit mixes frozen ({', '.join(frozen[:3])}...) and trainable parameters; one flat "
-                         "parameter has one requires_grad. Pass use_orig_params=True, or wrap the frozen part in its "
-                         "own unit.")
+        raise ValueError(f"FSDP unit mixes parameter dtypes ({', '.join(f'{n}: {d}' for d, n in dtypes.items())}); "
+                         "one flat parameter has one dtype (torch: 'Must flatten tensors with uniform dtype'). Cast "
+                         "the module to one dtype first (module.to(torch.float32)), or wrap the odd part in its unit.")
+    if not mixed_requires_grad and len({p.requires_grad for _, p in named}) > 1:
+        raise ValueError(f"FSDP unit mixes frozen ({', '.join(n for n, p in named if not p.requires_grad)[:80]}...) "
+                         "and trainable parameters; one flat parameter has one requires_grad. Pass "
+                         "use_orig_params=True, or wrap the frozen part in its own unit.")
 
 
 class FullyShardedDataParallel(Unit):
@@ -110,12 +96,6 @@ class FullyShardedDataParallel(Unit):
         if not dist.is_initialized():
             raise RuntimeError("FSDP needs a process group: call dist.init_process_group first "
                                "(or run your function with minifsdp.spawn).")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError("mixed_precision takes a MixedPrecision(param_dtype=..., reduce_dtype=...), "
-                            f"got {type(mixed_precision).__name__} (there is no mixed_precision=True)")
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise TypeError("backward_prefetch takes BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST "
-                            f"or None, got {backward_prefetch!r}")
         self.groups = resolve_groups(sharding_strategy, process_group)
         if sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) \
                 and self.groups.shard_size == 1:
@@ -164,7 +144,6 @@ class FullyShardedDataParallel(Unit):
             self._post_backward_hook = h.unsharded.register_post_accumulate_grad_hook(
                 lambda _leaf: post_backward(unit()))
 
-    # ------------------------------------------------------------------ what users see
     @property
     def module(self) -> nn.Module:
         return self._fsdp_wrapped_module
@@ -185,18 +164,6 @@ class FullyShardedDataParallel(Unit):
         if self._handle is not None:
             self._handle.tracer = tracer
 
-    def named_parameters(self, *args, **kwargs):
-        """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
-        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
-        for name, p in super().named_parameters(*args, **kwargs):
-            yield (clean_name(name) if clean else name), p
-
-    def named_buffers(self, *args, **kwargs):
-        """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
-        clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
-        for name, b in super().named_buffers(*args, **kwargs):
-            yield (clean_name(name) if clean else name), b
-
     summon_full_params = staticmethod(full_params.summon_full_params)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -209,9 +176,9 @@ class FullyShardedDataParallel(Unit):
         """The full state dict: every parameter whole, under the plain model's names, on every rank."""
         return full_params.full_state_dict(self)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state dict (plain names); each rank keeps its shard."""
-        return full_params.load_full_state_dict(self, state_dict, strict=strict)
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        """Load a full state dict (plain names); each rank keeps its shard (torch's key checks: the public class)."""
+        full_params.load_full_state_dict(self, state_dict)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -229,7 +196,6 @@ class FullyShardedDataParallel(Unit):
             for u, o in zip(inside, old):
                 u._sync_gradients = o
 
-    # ------------------------------------------------------------------ the root
     def _init_root(self) -> None:
         """The first forward: this unit becomes the root of every unit below it."""
         step = self._root_step = RootStep(units(self))
@@ -262,7 +228,6 @@ class FullyShardedDataParallel(Unit):
                 if unit._handle is not None and unit._handle.stale():
                     unit._handle.reshard()
 
-    # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         again = self.training_state is TrainingState.AWAITING_BACKWARD  # a second forward before the backward
         args, kwargs = self._pre_forward(args, kwargs)

@@ -16,8 +16,6 @@
 Note (padding): the zeros that pad a flat parameter never reach a state dict or a norm's value.
 """
 
-from __future__ import annotations
-
 import contextlib
 import math
 import warnings
@@ -26,14 +24,10 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.modules.module import _IncompatibleKeys
 
-from minifsdp.ddp.distributed import collective_device
+from minifsdp.comm.devices import collective_device
 from minifsdp.fsdp.core.state import HandleState, TrainingState
 from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units, units_with_params
-
-__all__ = ["summon_full_params", "grad_norm", "clip_grad_norm_", "full_state_dict", "load_full_state_dict",
-           "buffer_dtype_of"]
 
 
 class _Summoned:
@@ -56,7 +50,7 @@ class _Summoned:
         self.unit.training_state = TrainingState.SUMMON_FULL_PARAMS
         h = self.unit._handle
         if h is None:
-            return  # a unit that owns no parameter: its named_parameters() shows the plain names
+            return  # a unit that owns no parameter
         self.precision.enter_context(h.full_precision())  # fp32, never the low-precision copy (as torch)
         h.unshard()
         if self.shown:
@@ -154,11 +148,8 @@ def buffer_dtype_of(root: nn.Module, module: nn.Module, name: str, buffer: torch
 
 def _walk(module: nn.Module, visit, gather: bool, writeback: bool = False, rank0_only: bool = False,
           prefix: str = "") -> None:
-    """Visit ``module`` and its submodules in ``nn.Module.state_dict``'s order: own tensors, then children.
-
-    With ``gather``, each unit is gathered from the moment the walk reaches it until it leaves it,
-    as torch FSDP1's state-dict hooks: alive at once are the units on the path from the root.
-    """
+    """Visit ``module`` and its submodules in ``nn.Module.state_dict``'s order; with ``gather``, each unit is
+    gathered while the walk is inside it (alive at once: the units on the path from the root), as torch's."""
     unit = gather and is_unit(module)
     with summon_full_params(module, recurse=False, writeback=writeback,
                             rank0_only=rank0_only) if unit else contextlib.nullcontext():
@@ -166,21 +157,6 @@ def _walk(module: nn.Module, visit, gather: bool, writeback: bool = False, rank0
         for name, child in module._modules.items():
             if child is not None:
                 _walk(child, visit, gather, writeback, rank0_only, f"{prefix}{name}.")
-
-
-def _flattened_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[tuple[int, str], torch.Size]]:
-    """(id(submodule) -> the names its parameters had before flattening, in the order summon registers
-    them: its own slots, then its tied names; (id, name) -> the full shape)."""
-    names, shapes = {}, {}
-    for u in units_with_params(module):
-        layout = u._handle.layout
-        for s in layout.slots:
-            names.setdefault(id(s.module), []).append(s.name)
-            shapes[id(s.module), s.name] = s.shape
-        for sh in layout.shared:
-            names.setdefault(id(sh.module), []).append(sh.name)
-            shapes[id(sh.module), sh.name] = layout.slots[sh.primary].shape
-    return names, shapes
 
 
 def _param_names(m: nn.Module, flattened: dict[int, list[str]], flat_ids: set[int]) -> list[str]:
@@ -223,37 +199,13 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None)
     return out
 
 
-def load_full_state_dict(module: nn.Module, state_dict, strict: bool = True) -> _IncompatibleKeys:
+def load_full_state_dict(module: nn.Module, state_dict) -> None:
     """Copy a full state dict (plain names) into the shards, unit by unit: each rank keeps its slice.
 
-    Returns torch's ``_IncompatibleKeys``; ``strict`` raises torch's message for either list, and a
-    size mismatch always raises.  Every check comes before anything is copied (from the layouts:
-    no all-gather), so a refused state dict leaves the model as it was.
+    Keys it does not name are left as they are; the public class checks the keys and shapes
+    first, with torch's messages (``minifsdp/fsdp/state_dict_type.py``).
     """
-    flattened, full_shapes = _flattened_names(module)
     flat_ids = {id(u._handle.flat_param) for u in units_with_params(module)}
-    expected: dict[str, torch.Size] = {}
-
-    def expect(m, prefix):
-        for name in _param_names(m, flattened, flat_ids):
-            expected[clean_name(prefix + name)] = full_shapes.get((id(m), name), getattr(m, name).shape)
-        for name in _persistent_buffers(m):
-            expected[clean_name(prefix + name)] = m._buffers[name].shape
-
-    _walk(module, expect, gather=False)
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    errors = []  # torch's messages, in its order
-    if strict and missing:
-        errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
-    if strict and unexpected:
-        errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
-    errors += [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from checkpoint, the "
-               f"shape in current model is {shape}." for k, shape in expected.items()
-               if k in state_dict and tuple(state_dict[k].shape) != tuple(shape)]
-    if errors:
-        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
-            type(module).__name__, "\n\t".join(errors)))
 
     def load(m, prefix):
         for name in _param_names(m, {}, flat_ids) + _persistent_buffers(m):
@@ -263,4 +215,3 @@ def load_full_state_dict(module: nn.Module, state_dict, strict: bool = True) -> 
 
     with torch.no_grad():
         _walk(module, load, gather=True, writeback=True)
-    return _IncompatibleKeys(missing, unexpected)

@@ -4,39 +4,30 @@
     later           wait --HYBRID: all-reduce across replicas--> /(N/f) --cast--> fp32
                     --> added into flat_param.grad (or into the shard kept from an earlier backward)
 
-``later`` is the next unit's post-backward, or the root's final callback for the last
-unit: at most one reduction in flight (on CPU the unit's own post-backward, as torch FSDP1
-on CPU).  NO_SHARD all-reduces the whole gradient instead, with the same casts and divide
-factors (``strategy.py``), as torch's ``_reduce_grad_no_shard``.
+``later`` is the next unit's post-backward or the root's final callback: at most one
+reduction in flight (on CPU the unit's own post-backward, as torch FSDP1 on CPU).  NO_SHARD
+all-reduces the whole gradient with the same casts and divide factors (``strategy.py``).
 
-Where the gradient lives (``GradState``, ``state.py``), in torch FSDP1's places so that
-``optimizer.zero_grad()`` reaches it:
+Where the gradient lives, in torch FSDP1's places so ``optimizer.zero_grad()`` reaches it:
 
     strategy                     autograd sums into         the optimizer reads
     sharded                      unsharded.grad (full)      flat_param.grad (shard, fp32)
     NO_SHARD                     flat_param.grad            flat_param.grad (all-reduced in place)
     NO_SHARD + param_dtype       unsharded.grad (bf16)      flat_param.grad (fp32, a cast of the all-reduce)
 
-Inside ``no_sync()`` nothing is reduced: the full gradient stays, shown as
-``flat_param.grad`` (GradState.UNSHARDED), and the next synced backward reduces the sum.
-A reduced shard from an earlier step that nobody zeroed is set aside meanwhile
-(``saved_shard``, torch's ``_saved_grad_shard``) and the new shard is added to it.
+Inside ``no_sync()`` nothing is reduced: the full gradient stays, shown as ``flat_param.grad``
+(``GradState.UNSHARDED``); a reduced shard nobody zeroed is set aside meanwhile (torch's
+``_saved_grad_shard``) and the next synced backward adds its new shard to it.
 
-Note (NO_SHARD with parameter mixed precision): torch's flat parameter *is* the
-low-precision leaf during forward and backward, so its ``AccumulateGrad`` adds the bf16
-gradient ``g`` straight into ``flat_param.grad`` (``G = g``, or ``G += g`` in G's dtype).
-Our leaf is ``unsharded``; at the post-backward we move its gradient into ``flat_param.grad``
-by the same rule (:meth:`UnitGradient.take_cast_grad`), so numbers and order are torch's.
+Note (NO_SHARD + param_dtype): torch's flat parameter *is* the low-precision leaf in forward and
+backward, so AccumulateGrad adds the bf16 gradient straight into ``flat_param.grad``; our leaf is
+``unsharded``, so :meth:`UnitGradient.take_cast_grad` moves it there by the same rule.
 """
-
-from __future__ import annotations
 
 import torch
 
 from minifsdp.fsdp.core.state import GradState
 from minifsdp.fsdp.core.strategy import finish_reduced_shard, predivide_factor, prepare_for_reduce_scatter
-
-__all__ = ["UnitGradient", "set_grad"]
 
 
 def set_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -70,10 +61,8 @@ class UnitGradient:
             self.saved_shard, h.flat_param.grad = g, None  # torch's _saved_grad_shard
 
     def take_cast_grad(self) -> torch.Tensor | None:
-        """NO_SHARD + param_dtype: add this backward's gradient into ``flat_param.grad`` as AccumulateGrad would.
-
-        ``G = g`` (in the compute dtype) if there is none yet, else ``G += g`` in G's dtype.
-        """
+        """NO_SHARD + param_dtype: this backward's ``g`` into ``flat_param.grad`` as AccumulateGrad would:
+        ``G = g`` (in the compute dtype) if there is none yet, else ``G += g`` in G's dtype."""
         h = self.handle
         g, h.unsharded.grad = h.unsharded.grad, None
         acc = h.flat_param.grad

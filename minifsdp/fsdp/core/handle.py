@@ -30,8 +30,6 @@ what it did to an attached tracer and nothing else.  ``use_orig_params=True`` (v
 the original parameters) is a subclass chosen at wrap time: ``minifsdp/fsdp/orig_params.py``.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch
@@ -43,40 +41,9 @@ from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
 from minifsdp.fsdp.core.state import HandleState
 from minifsdp.fsdp.core.strategy import SHARDED, ShardGroups, ShardingStrategy
 
-__all__ = ["FlatParamHandle", "set_tensor_attr", "clear_tensor_attr"]
-
-
-def set_tensor_attr(module: nn.Module, name: str, t: torch.Tensor) -> None:
-    """Make ``module.<name>`` return ``t`` (a plain tensor), leaving ``_parameters`` as registered.
-
-    The write goes through ``setattr``, so a module that overrides ``__setattr__`` sees every
-    switch of views, as under torch FSDP1.  ``nn.Module.__setattr__`` refuses a plain tensor
-    under a registered parameter's name, so that name leaves ``_parameters`` for the write and
-    comes back in its place.
-    """
-    params = module._parameters
-    if name not in params:
-        setattr(module, name, t)
-        return
-    registered = dict(params)
-    del params[name]
-    try:
-        setattr(module, name, t)
-    finally:
-        params.clear()
-        params.update(registered)  # the same names in the same order
-
-
-def clear_tensor_attr(module: nn.Module, name: str) -> None:
-    """Undo :func:`set_tensor_attr`: ``module.<name>`` is the registered parameter (if any) again."""
-    module.__dict__.pop(name, None)
-
 
 class FlatParamHandle:
-    """One unit's flat parameter: its layout, local shard and full buffer; its gradient is ``self.gradient``.
-
-    ``comm``: the collectives to use, ``minifsdp.comm.get_collectives(kind)`` (always called async).
-    """
+    """One unit's flat parameter: layout, local shard, full buffer; ``comm`` from ``get_collectives``."""
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ShardGroups,
                  strategy: ShardingStrategy, comm, mixed_precision: MixedPrecision | None = None,
@@ -119,13 +86,9 @@ class FlatParamHandle:
         """Record ``kind`` on the attached tracer from enter to exit (nothing without one)."""
         return self.tracer.span(kind, self.name) if self.tracer is not None else contextlib.nullcontext()
 
-    # ------------------------------------------------------------------ gather and free
     def take_over_params(self) -> None:
-        """After flattening: the originals leave their modules, the wrapped module registers ``_flat_param``.
-
-        The flat buffer holds their numbers now: no full-size copy is kept (unless the user still
-        holds an original), and ``model.parameters()`` yields the flat shard, as torch's.
-        """
+        """The originals leave their modules (no full-size copy kept) and the wrapped module registers
+        ``_flat_param``: ``model.parameters()`` yields the flat shard, as torch's."""
         for slot in self.layout.slots:
             del slot.module._parameters[slot.name]
             slot.param = None
@@ -184,11 +147,8 @@ class FlatParamHandle:
 
     @contextlib.contextmanager
     def full_precision(self):
-        """summon_full_params under mixed precision: gather the fp32 shards into a separate fp32 buffer.
-
-        The low-precision buffer and its autograd leaf (which carries the post-backward hook)
-        are set aside and put back unchanged.
-        """
+        """summon_full_params under mixed precision: gather the fp32 shards into a fp32 buffer; the
+        low-precision buffer and its autograd leaf (with its hook) are set aside and put back."""
         if not self.dtypes.casts_params:
             yield
             return
@@ -202,23 +162,20 @@ class FlatParamHandle:
             self.reshard()
             self.padded, self.unsharded = low
 
-    # ------------------------------------------------------------------ views
     def use_unsharded_views(self, in_forward: bool = False) -> None:
-        """Forward and backward: every original name is a view of the full buffer (autograd flows to it).
-
-        A tied weight's second name gets the *same* view, so both uses' gradients sum.
-        """
+        """Forward and backward: every original name is a view of the full buffer (autograd flows to it); a
+        tied weight's second name gets the *same* view, so both uses' gradients sum."""
         views = unflatten(self.unsharded, self.layout)
         for slot, v in zip(self.layout.slots, views):
-            set_tensor_attr(slot.module, slot.name, v)
+            setattr(slot.module, slot.name, v)  # a plain attribute (the name is no registered parameter)
         for sh in self.layout.shared:
-            set_tensor_attr(sh.module, sh.name, views[sh.primary])
+            setattr(sh.module, sh.name, views[sh.primary])
 
     def use_sharded_views(self) -> None:
         """Between uses: every original name is an empty tensor (no stale view of a freed buffer)."""
         empty = self.flat_param.data.new_empty(0)
         for slot in self.layout.slots + self.layout.shared:
-            set_tensor_attr(slot.module, slot.name, empty)
+            setattr(slot.module, slot.name, empty)
 
     def after_forward(self) -> None:
         """After the unit's forward (the views stay: the backward gathers into the same storage)."""
@@ -230,19 +187,16 @@ class FlatParamHandle:
         """Post-backward, before the free."""
 
     def use_full_params(self) -> None:
-        """summon_full_params: every original name is an ``nn.Parameter`` of its full shape, as torch shows it.
-
-        They share the full buffer's memory outside autograd: an in-place edit lands in the
-        buffer, and :meth:`write_back` copies it into the shard.
-        """
+        """summon_full_params: every original name is an ``nn.Parameter`` of its full shape, sharing the full
+        buffer's memory outside autograd (an edit lands in it; :meth:`write_back` copies it into the shard)."""
         self.module._parameters.pop("_flat_param")  # torch shows the originals, not the flat parameter
         views = unflatten(self.unsharded.detach(), self.layout)
         params = [nn.Parameter(v, requires_grad=slot.requires_grad) for slot, v in zip(self.layout.slots, views)]
         for slot, p in zip(self.layout.slots, params):
-            clear_tensor_attr(slot.module, slot.name)
+            slot.module.__dict__.pop(slot.name, None)  # the plain attribute would hide the registered one
             slot.module._parameters[slot.name] = p
         for sh in self.layout.shared:
-            clear_tensor_attr(sh.module, sh.name)
+            sh.module.__dict__.pop(sh.name, None)
             sh.module._parameters[sh.name] = params[sh.primary]
 
     def drop_full_params(self) -> None:

@@ -3,21 +3,16 @@
     flat_param (fp32 shard) --cast--> param_dtype shard --all-gather--> full (param_dtype) --> forward, backward
     flat_param.grad (fp32) <--cast-- /(N/f) <-- reduce-scatter <-- /f <-- full grad --cast--> reduce_dtype
 
-* the optimizer sees fp32 only: the sharded master parameters and their fp32 gradient
-  shards (``keep_low_precision_grads=True`` keeps the shards in ``param_dtype``, as torch);
-* the *shard* is cast before the all-gather: half the bytes move, each rank casts its 1/N;
-* gradients are divided by ``f`` before and ``N / f`` after the reduction, in ``reduce_dtype``
-  (``strategy.py``): that is why torch pre-divides at all;
-* floating-point buffers are cast to ``buffer_dtype`` once, at the root's first forward;
-  the root casts floating-point forward inputs to ``param_dtype``, every unit too with
-  ``cast_forward_inputs``.
+The optimizer sees fp32 only (``keep_low_precision_grads=True`` keeps the gradient shards in
+``param_dtype``); the *shard* is cast before the all-gather, so half the bytes move; the
+divides by ``f`` and ``N / f`` happen in ``reduce_dtype`` (``strategy.py``); floating-point
+buffers are cast to ``buffer_dtype`` once, at the root's first forward; the root casts
+floating-point inputs to ``param_dtype`` (every unit with ``cast_forward_inputs``).
 
-Note (not autocast): ``torch.autocast`` picks a dtype per *op* (matmuls low, softmax and
-norms fp32) and casts fp32 weights at every use; ``MixedPrecision`` casts the parameters
-once per all-gather, so every op of the unit runs in ``param_dtype``, layer norms included.
+Note (not autocast): ``torch.autocast`` picks a dtype per *op* and casts fp32 weights at every
+use; ``MixedPrecision`` casts the parameters once per all-gather, so every op of the unit runs
+in ``param_dtype``, layer norms included.
 """
-
-from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -26,17 +21,11 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
 
-__all__ = ["MixedPrecision", "UnitDtypes", "resolve_dtypes", "cast_floating"]
-
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """torch FSDP1's ``MixedPrecision``; ``None`` keeps the original dtype for that part.
-
-    As torch: ``param_dtype`` without ``reduce_dtype`` reduces in ``param_dtype``.
-    ``_module_classes_to_ignore``: torch's; the public class wraps those modules as their
-    own fp32 units (``minifsdp/fsdp/torch_options.py``).
-    """
+    """torch FSDP1's ``MixedPrecision``; ``None`` keeps the original dtype for that part (``param_dtype`` alone
+    also reduces in it).  ``_module_classes_to_ignore``: their own fp32 units, in the public class."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

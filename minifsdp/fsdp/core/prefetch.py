@@ -1,39 +1,30 @@
 """Prefetching (chapter 2.5): start the next unit's all-gather before it is needed.
 
-Without prefetching each unit waits for its own all-gather (AG) right before it runs,
-so the communication is *exposed*: nothing else happens meanwhile.
-
     no prefetch     compute:  |b0|      |b1|      |b2|
-                    comm:   AG0   AG1     AG2            the compute waits for every AG
+                    comm:   AG0   AG1     AG2            the compute waits for every all-gather
 
     prefetch        compute:  |b0|  |b1|  |b2|
                     comm:   AG0 AG1 AG2                  AG(i+1) runs while b(i) computes
 
-Which unit is "next" comes from the order recorded while the model runs, as in torch
-FSDP1 (``_exec_order_utils.py``):
+"Next" comes from the order recorded while the model runs, as torch FSDP1's
+(``_exec_order_utils.py``):
 
-* ``forward_prefetch=True``: the *pre-forward* order of the first iteration (fixed after
-  it); in unit i's pre-forward, after its own AG, start unit i+1's.
+* ``forward_prefetch=True``: the first iteration's *pre-forward* order; in unit i's
+  pre-forward, after its own all-gather, start unit i+1's.
 * ``backward_prefetch``: this iteration's *post-forward* order, read backwards:
-  ``BACKWARD_PRE``  - in unit i's pre-backward hook, after its own AG: start unit i-1's
-                      (two units' full parameters alive while i's gradient is computed);
-  ``BACKWARD_POST`` - in unit i's post-backward hook, after freeing i: start unit i-1's.
+  ``BACKWARD_PRE`` in unit i's pre-backward hook (two units' parameters alive while i's
+  gradient is computed), ``BACKWARD_POST`` in its post-backward hook, after freeing i.
 * ``limit_all_gathers=True``: no prefetch while two non-root units' full parameters are
   alive or in flight; that unit then gathers on demand.
 
-Note (never changes the numbers): a prefetch only moves *when* an all-gather is issued,
-so results are bitwise equal with or without it.  torch FSDP1 issues its all-gather
-synchronously on a CUDA stream; on a CPU it cannot overlap.  We issue it with
-``async_op=True``, and gloo runs it on its own thread while this one computes.
+Note (never changes the numbers): a prefetch only moves *when* an all-gather is issued.
+torch FSDP1 issues it synchronously on a CUDA stream, so on a CPU it cannot overlap; we
+issue it with ``async_op=True`` and gloo runs it on its own thread meanwhile.
 """
-
-from __future__ import annotations
 
 from enum import Enum, auto
 
 from minifsdp.fsdp.core.state import HandleState, TrainingState
-
-__all__ = ["BackwardPrefetch", "ExecutionOrder", "prefetch", "prefetch_target", "alive_units", "RATE_LIMIT"]
 
 RATE_LIMIT = 2  # at most this many non-root units' full parameters alive or in flight (limit_all_gathers)
 
@@ -44,11 +35,8 @@ class BackwardPrefetch(Enum):
 
 
 class ExecutionOrder:
-    """The units in the order the model ran them; one per root.
-
-    ``pre_forward`` is recorded in the first iteration only (torch: "fix the order after the
-    first iteration"); ``post_forward`` every iteration, cleared when the iteration ends.
-    """
+    """The units in the order the model ran them: ``pre_forward`` in the first iteration only (torch: "fix
+    the order after the first iteration"), ``post_forward`` every iteration, cleared when it ends."""
 
     def __init__(self):
         self.pre_forward: list = []
@@ -80,11 +68,8 @@ class ExecutionOrder:
 
 
 def prefetch_target(pre_forward: list, post_forward: list, unit, mode: str):
-    """Which unit to prefetch from ``unit`` (the reference of exercise 2.5).
-
-    forward: the one after ``unit`` in the pre-forward order; backward: the one before it in
-    the post-forward order.  None at either end or if ``unit`` was not recorded.
-    """
+    """Which unit to prefetch from ``unit`` (exercise 2.5): forward, the one after it in the pre-forward
+    order; backward, the one before it in the post-forward order; None at either end or if not recorded."""
     if mode not in ("forward", "backward"):
         raise ValueError(f"mode is 'forward' or 'backward', got {mode!r}")
     order, step = (pre_forward, 1) if mode == "forward" else (post_forward, -1)
@@ -95,11 +80,8 @@ def prefetch_target(pre_forward: list, post_forward: list, unit, mode: str):
 
 
 def alive_units(units: list) -> int:
-    """Non-root units whose full parameters are gathered or being gathered (what limit_all_gathers caps).
-
-    ``units``: the root's units, the root first; its own parameters stay gathered through the
-    step and are not counted, as in torch.
-    """
+    """Non-root units whose full parameters are gathered or being gathered (what limit_all_gathers caps);
+    ``units`` is the root's list, the root first (its own parameters are not counted, as torch)."""
     return sum(1 for u in units[1:] if u._handle is not None and u._handle.sharded
                and u._handle.state is not HandleState.SHARDED)
 

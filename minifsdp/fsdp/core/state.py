@@ -16,54 +16,32 @@ Its parameters (``FlatParamHandle.state``):
 
     SHARDED --start_unshard--> GATHERING --wait_unshard--> UNSHARDED --reshard--> SHARDED
 
-Its gradient (``FlatParamHandle.grad_state``):
+Its gradient (``UnitGradient.state``):
 
     SHARD --backward, synced--> REDUCING --finish_reduce--> SHARD
       |                                                       ^
-      +--backward inside no_sync()--> UNSHARDED --next backward's pre-backward--+
+      +--backward inside no_sync()--> UNSHARDED --next synced backward--+
 """
-
-from __future__ import annotations
 
 from enum import Enum, auto
 
-__all__ = ["TrainingState", "HandleState", "GradState"]
-
 
 class TrainingState(Enum):
-    """A unit's place in the step."""
-
-    IDLE = auto()
-    """Between steps: the local shard only (the root may keep its full parameters)."""
-    FORWARD = auto()
-    """Inside its forward: full parameters gathered, the module's names point into them."""
-    AWAITING_BACKWARD = auto()
-    """Forward done, outputs need a gradient; parameters freed again (FULL_SHARD), activations alive."""
-    PRE_BACKWARD = auto()
-    """Autograd reached its outputs: full parameters gathered again, its gradient is being computed."""
-    POST_BACKWARD = auto()
-    """Its full gradient went to the reduce-scatter; only the reduced shard will remain."""
-    SUMMON_FULL_PARAMS = auto()
-    """Inside ``summon_full_params``: full parameters, outside autograd, edits written back on exit."""
+    IDLE = auto()  # between steps: the local shard only (the root may keep its full parameters)
+    FORWARD = auto()  # inside its forward: full parameters gathered, the module's names point into them
+    AWAITING_BACKWARD = auto()  # forward done, outputs need a gradient; parameters freed again (FULL_SHARD)
+    PRE_BACKWARD = auto()  # autograd reached its outputs: parameters gathered again, its gradient computing
+    POST_BACKWARD = auto()  # its full gradient went to the reduce-scatter
+    SUMMON_FULL_PARAMS = auto()  # inside summon_full_params: full parameters, outside autograd
 
 
 class HandleState(Enum):
-    """What a unit's full (unsharded) flat buffer holds."""
-
-    SHARDED = auto()
-    """The full buffer's storage is 0 bytes: this rank holds its 1/N shard only."""
-    GATHERING = auto()
-    """An all-gather into the full buffer is in flight (e.g. a prefetch)."""
-    UNSHARDED = auto()
-    """The full buffer holds every rank's shard: the whole flat parameter."""
+    SHARDED = auto()  # the full buffer's storage is 0 bytes: this rank holds its 1/N shard only
+    GATHERING = auto()  # an all-gather into the full buffer is in flight (e.g. a prefetch)
+    UNSHARDED = auto()  # the full buffer holds every rank's shard: the whole flat parameter
 
 
 class GradState(Enum):
-    """Where a unit's gradient lives."""
-
-    SHARD = auto()
-    """In ``flat_param.grad`` as this rank's reduced shard (or None): what the optimizer steps."""
-    UNSHARDED = auto()
-    """Whole, summed by autograd over ``no_sync`` backwards, shown as ``flat_param.grad``."""
-    REDUCING = auto()
-    """A reduce-scatter (NO_SHARD: all-reduce) of the whole gradient is in flight."""
+    SHARD = auto()  # in flat_param.grad as this rank's reduced shard (or None): what the optimizer steps
+    UNSHARDED = auto()  # whole, summed over no_sync backwards, shown as flat_param.grad
+    REDUCING = auto()  # a reduce-scatter (NO_SHARD: all-reduce) of the whole gradient is in flight

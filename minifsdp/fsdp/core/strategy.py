@@ -25,17 +25,12 @@ N = 2: /2 before; N = 4: /2 before, /2 after; N = 3: /2 before, /1.5 after.  For
 HYBRID_SHARD, N is the whole data-parallel size (shard x replicate).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-__all__ = ["ShardingStrategy", "HYBRID", "SHARDED", "RESHARD_AFTER_FORWARD", "ShardGroups", "resolve_groups",
-           "predivide_factor", "prepare_for_reduce_scatter", "finish_reduced_shard"]
 
 
 class ShardingStrategy(Enum):
@@ -61,10 +56,8 @@ def predivide_factor(world_size: int) -> float:
 
 def prepare_for_reduce_scatter(grad: torch.Tensor, padded_numel: int, reduce_dtype: torch.dtype,
                                predivide: float) -> torch.Tensor:
-    """Each rank's reduce-scatter input, in torch FSDP1's order: cast, pad to ``padded_numel``, divide by ``f``.
-
-    May divide ``grad`` itself in place when no cast and no padding is needed.
-    """
+    """Each rank's reduce-scatter input, in torch FSDP1's order: cast, pad to ``padded_numel``, divide by
+    ``f`` (in place on ``grad`` itself when no cast and no padding made a copy)."""
     if grad.dtype != reduce_dtype:
         grad = grad.to(reduce_dtype)
     pad = padded_numel - grad.numel()

@@ -10,11 +10,7 @@ Wrapping inserts one attribute level per unit, which :func:`clean_name` removes:
     plain:    blocks.0.attn.qkv.weight
 """
 
-from __future__ import annotations
-
 import torch.nn as nn
-
-__all__ = ["Unit", "WRAPPED", "is_unit", "units", "units_with_params", "clean_name", "flattened_params"]
 
 WRAPPED = "_fsdp_wrapped_module"  # the attribute that holds the wrapped module (torch's name)
 

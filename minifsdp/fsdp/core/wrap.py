@@ -14,18 +14,15 @@ bound with ``functools.partial``:
 It is asked twice per module, as in torch: ``recurse=True`` "look inside its children?",
 ``recurse=False`` "wrap this module?" with ``nonwrapped_numel``, the parameters no wrapped
 child has claimed.  The walk is post-order (children first), so a nested unit takes its
-parameters before its parent builds its flat parameter.  torch's own policies work here too.
+parameters before its parent builds its flat parameter.  torch's own policies work here too
+(and ``size_based_auto_wrap_policy``, ``minifsdp/fsdp/torch_options.py``).
 """
-
-from __future__ import annotations
 
 from typing import Callable
 
 import torch.nn as nn
 
 from minifsdp.fsdp.core.units import flattened_params, is_unit
-
-__all__ = ["size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "recursive_wrap"]
 
 
 def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
@@ -36,28 +33,10 @@ def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_nu
     return isinstance(module, tuple(transformer_layer_cls))
 
 
-def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
-                                min_num_params: int = int(1e8), force_leaf_modules: set[type] | None = None,
-                                exclude_wrap_modules: set[type] | None = None) -> bool:
-    """Wrap a module once it holds at least ``min_num_params`` not-yet-wrapped parameters.
-
-    As torch: never look inside ``nn.MultiheadAttention`` (its forward reads its weights
-    directly), never wrap a bare ``ModuleList`` / ``ModuleDict`` (no forward to hook).
-    """
-    force_leaf_modules = {nn.MultiheadAttention} if force_leaf_modules is None else force_leaf_modules
-    exclude_wrap_modules = {nn.ModuleList, nn.ModuleDict} if exclude_wrap_modules is None else exclude_wrap_modules
-    is_large = nonwrapped_numel >= min_num_params
-    if recurse:
-        return is_large and not isinstance(module, tuple(force_leaf_modules))
-    return is_large and not isinstance(module, tuple(exclude_wrap_modules))
-
-
 def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Module], nn.Module],
                    only_wrap_children: bool = False, ignored=frozenset()) -> tuple[nn.Module, int]:
     """Wrap ``module``'s subtree where ``policy`` says so; returns (module or its wrapper, numel wrapped).
-
-    ``ignored``: modules FSDP leaves alone (never wrapped or looked into, parameters not counted).
-    """
+    ``ignored``: modules FSDP leaves alone (never wrapped or looked into, parameters not counted)."""
     if is_unit(module) or module in ignored:
         return module, 0
     skip = flattened_params(module) | {id(p) for m in ignored for p in m.parameters()}
