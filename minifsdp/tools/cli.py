@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from minifsdp.tools.devices import DeviceError, add_device_argument
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,9 +21,12 @@ def main(argv: list[str] | None = None) -> int:
                             "SHARD_GRAD_OP or HYBRID_SHARD)")
     p_cmp.add_argument("--world-size", type=int, default=2)
     p_cmp.add_argument("--steps", type=int, default=8)
-    p_cmp.add_argument("--collectives", choices=("torch", "ring"), default="ring")
+    p_cmp.add_argument("--collectives", choices=("torch", "ring"), default=None,
+                       help="ours' collectives: ring (our ring, the default on cpu) or torch (torch.distributed's; "
+                            "the default on cuda)")
     p_cmp.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     p_cmp.add_argument("--out", default="out", help="folder for the loss-curve PNG")
+    add_device_argument(p_cmp)
 
     p_train = sub.add_parser("train", help="train the tiny GPT for real: progress, schedule, checkpoints, resume")
     from minifsdp.tools.train import add_arguments
@@ -37,18 +43,28 @@ def main(argv: list[str] | None = None) -> int:
 
     p_bench = sub.add_parser("bench", help="measure ours against torch in the same run")
     p_bench.add_argument("what", choices=("collectives", "fsdp", "overlap", "precision", "scale"))
-    p_bench.add_argument("--world-sizes", default="2,4")
+    p_bench.add_argument("--world-sizes", default=None, help="ranks per run, e.g. 2,4 (default 2,4; fsdp on cuda: 1)")
     p_bench.add_argument("--max-mb", type=float, default=64.0, help="collectives: largest message")
     p_bench.add_argument("--json", default=None,
                          help="where to write the results (default out/bench_<what>.json; '' for none)")
-    p_bench.add_argument("--config", default="bench", help="fsdp: TinyGPT size, bench (19M) | small | tiny")
-    p_bench.add_argument("--steps", type=int, default=None, help="timed steps (fsdp: 8 per trainer, median; else 5)")
-    p_bench.add_argument("--warmup", type=int, default=None, help="fsdp: untimed steps per trainer first (1)")
+    p_bench.add_argument("--config", default=None,
+                         help="fsdp: TinyGPT size, bench (19M, the default) | small | tiny; on cuda also 85m "
+                              "(the default there) | 300m, or a list: 85m,300m")
+    p_bench.add_argument("--steps", type=int, default=None,
+                         help="timed steps (fsdp: 8 per trainer, median; on cuda 20, 300m 12; else 5)")
+    p_bench.add_argument("--warmup", type=int, default=None,
+                         help="fsdp: untimed steps per trainer first (1; on cuda 5, 300m 4)")
     p_bench.add_argument("--batch-size", type=int, default=None,
-                         help="sequences per rank per step (fsdp: 2 of 128 tokens, a 2-core run in ~6 min; else 8)")
-    p_bench.add_argument("--trainers", default="ours_torch,ours_ring,fsdp1,fsdp2,ours_fsdp2,ddp",
-                         help="fsdp: which of ours_torch,ours_ring,fsdp1,fsdp2,ours_fsdp2,ddp (fsdp1 is the "
-                              "reference; fsdp2 the second one, for ours_fsdp2)")
+                         help="sequences per rank per step (fsdp: 2 of 128 tokens, a 2-core run in ~6 min; on cuda "
+                              "85m 16, 300m 8; else 8)")
+    p_bench.add_argument("--trainers", default=None,
+                         help="fsdp: which of ours_torch,ours_ring,fsdp1,fsdp2,ours_fsdp2,ddp (all, the default; "
+                              "fsdp1 is the reference; fsdp2 the second one, for ours_fsdp2); on cuda plain (the "
+                              "unwrapped model) too, and no ours_ring")
+    p_bench.add_argument("--precision", default=None,
+                         help="fsdp on cuda: fp32 (default) | bf16 (MixedPrecision / MixedPrecisionPolicy with "
+                              "param_dtype=bf16, reduce_dtype=fp32; autocast for plain and ddp), or fp32,bf16")
+    add_device_argument(p_bench)
     p_bench.add_argument("--mem-limit-mb", type=float, default=2048.0, help="scale: per-rank limit (RLIMIT_AS)")
     p_bench.add_argument("--width", type=int, default=512, help="scale: TinyGPT n_embd (depth is searched)")
     p_bench.add_argument("--max-layers", type=int, default=256, help="scale: deepest model tried")
@@ -67,8 +83,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_torch_suite(args)
     if args.command in ("train", "generate"):
-        import sys
-
         from minifsdp.tools.train_checks import JobError
 
         try:
@@ -89,11 +103,31 @@ def main(argv: list[str] | None = None) -> int:
         except JobError as e:
             print(f"minifsdp {args.command}: error: {e}", file=sys.stderr)
             return 2
+    try:
+        return _run(parser, args)
+    except DeviceError as e:  # --device asks for what this machine does not have: say so, no traceback
+        print(f"minifsdp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(parser, args) -> int:
     if args.command == "compare":
         from minifsdp.tools.compare import run_compare
 
         return run_compare(args)
     if args.command == "bench":
+        if args.what == "fsdp" and args.device == "cuda":
+            from minifsdp.tools.bench_fsdp_cuda import run_fsdp_bench_cuda
+
+            return run_fsdp_bench_cuda(args)
+        if args.device != "cpu" or args.precision is not None:
+            raise DeviceError(f"bench {args.what}: --device cuda and --precision are for bench fsdp --device cuda; "
+                              f"bench {args.what} runs on the CPU (drop them)")
+        defaults = {"world_sizes": "2,4", "config": "bench",
+                    "trainers": "ours_torch,ours_ring,fsdp1,fsdp2,ours_fsdp2,ddp"}
+        for name, value in defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
         if args.json is None:
             args.json = f"out/bench_{args.what}.json"
         defaults = {"steps": 8, "warmup": 1, "batch_size": 2} if args.what == "fsdp" else \

@@ -34,6 +34,13 @@ The trainers run interleaved in the same processes, in the same minute, so the
 ratio of their step times is a fair comparison (absolute times depend on the
 machine and mean little).
 
+``--device cuda`` (``minifsdp/tools/devices.py``): rank r on GPU r over NCCL, every model moved
+there before it is wrapped, torch FSDP1 given ``device_id`` = that GPU, the meshes on "cuda", the
+collectives NCCL's (``--collectives torch``, the default there: our ring is written for gloo's
+CPU tensors), and deterministic kernels (cuBLAS's workspace setting and
+``torch.use_deterministic_algorithms``), so the two sides run the same kernels and the verdict
+can be bitwise.  Each timed step ends with ``torch.cuda.synchronize()``.
+
 Note (why bitwise): our DDP scales gradients by 1/N and all-reduces them with
 SUM in buckets laid out as torch's (``bucket_layout="torch"``), exactly as
 torch's Reducer does; our FSDP divides before and after the reduce-scatter by
@@ -58,6 +65,7 @@ import torch.nn as nn
 
 from minifsdp.launch import spawn
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
+from minifsdp.tools.devices import DeviceError, deterministic_cuda, rank_device, resolve_device, synchronize
 
 __all__ = ["run_compare", "TRAINERS", "STRATEGIES", "IMPLS", "compare_worker"]
 
@@ -72,7 +80,8 @@ def _ours_ddp(model: nn.Module, args) -> nn.Module:
 
 
 def _torch_ddp(model: nn.Module, args) -> nn.Module:
-    return torch.nn.parallel.DistributedDataParallel(model)
+    index = next(model.parameters()).device.index
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=None if index is None else [index])
 
 
 def _ours_fsdp(model: nn.Module, args) -> nn.Module:
@@ -94,17 +103,22 @@ def _torch_fsdp1(model: nn.Module, args) -> nn.Module:
     return FullyShardedDataParallel(
         model, process_group=args.process_group, sharding_strategy=ShardingStrategy[args.strategy],
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-        device_id=torch.device("cpu"), use_orig_params=False)  # FSDP1 on CPU must be told its device
+        device_id=_device_of(args), use_orig_params=False)  # FSDP1 on CPU must be told its device
+
+
+def _device_of(args) -> torch.device:
+    """The rank's device (``compare_worker`` sets it from ``--device``; CPU for a caller that did not)."""
+    return getattr(args, "torch_device", torch.device("cpu"))
 
 
 def _fsdp2_mesh(args):
     """The mesh both FSDP2 trainers shard over: 1-D over the world, or ``(replicate, shard)`` for HYBRID_SHARD."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
+    world, kind = dist.get_world_size(), _device_of(args).type
     if args.strategy == "HYBRID_SHARD":
-        return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
+        return init_device_mesh(kind, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(kind, (world,))
 
 
 def _fsdp2_apply(shard, model: nn.Module, args, **extra) -> nn.Module:
@@ -183,6 +197,9 @@ def compare_worker(args, trainer_names: list[str]) -> dict:
     cfg = GPTConfig.tiny()
     args = copy.copy(args)
     args.process_group = None
+    args.torch_device = device = rank_device(getattr(args, "device", "cpu"))
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)  # the same kernels on both sides
     family = _family(args.strategy, getattr(args, "impl", "fsdp1"))
     if family == "fsdp" and args.strategy == "HYBRID_SHARD":  # shard inside pairs of ranks, replicate across
         from minifsdp.fsdp.torch_options import hybrid_groups
@@ -191,7 +208,7 @@ def compare_worker(args, trainer_names: list[str]) -> dict:
     if family == "fsdp2":
         args.mesh = _fsdp2_mesh(args)
     trainers = TRAINERS[family]
-    models = {name: trainers[name](TinyGPT(cfg, seed=0), args) for name in trainer_names}
+    models = {name: trainers[name](TinyGPT(cfg, seed=0).to(device), args) for name in trainer_names}
     opts = {name: _optimizer(m.parameters(), args.optimizer) for name, m in models.items()}
     first, ref = trainer_names[0], trainer_names[-1]
     losses = {name: [] for name in trainer_names}
@@ -201,15 +218,17 @@ def compare_worker(args, trainer_names: list[str]) -> dict:
         print(f"{'step':>4}  " + "  ".join(f"{n + ' loss':>12}" for n in trainer_names) + "  max|param diff|",
               flush=True)
     for step in range(args.steps):
-        x, y = corpus.batch(step, BATCH_PER_RANK, cfg.block_size, rank, world)
+        x, y = (t.to(device) for t in corpus.batch(step, BATCH_PER_RANK, cfg.block_size, rank, world))
         order = trainer_names if step % 2 == 0 else trainer_names[::-1]  # neither always goes first
         for name in order:
             model, opt = models[name], opts[name]
+            synchronize(device)
             t0 = time.perf_counter()
             opt.zero_grad()
             loss = model(x, y)
             loss.backward()
             opt.step()
+            synchronize(device)
             times[name].append(time.perf_counter() - t0)
             global_loss = loss.detach().clone()  # outside the timed region: the mean over ranks
             dist.all_reduce(global_loss)
@@ -237,14 +256,23 @@ def run_compare(args) -> int:
     if strategy == "HYBRID_SHARD" and (args.world_size < 4 or args.world_size % 2):
         raise SystemExit(f"--strategy HYBRID_SHARD shards inside pairs of ranks and replicates across pairs: "
                          f"it needs an even world size of at least 4, got {args.world_size}; try --world-size 4")
-    args.strategy, args.impl = strategy, impl
+    device = getattr(args, "device", "cpu")
+    placement = resolve_device(device, args.world_size)
+    collectives = getattr(args, "collectives", None) or ("ring" if device == "cpu" else "torch")
+    if device == "cuda" and collectives == "ring":
+        raise DeviceError("--collectives ring is our ring on gloo's CPU tensors; with --device cuda the "
+                          "collectives are NCCL's: use --collectives torch (the default there), or --device cpu.")
+    args.strategy, args.impl, args.collectives, args.device = strategy, impl, collectives, device
+    if device == "cuda":
+        deterministic_cuda()  # before any rank starts CUDA
     family = _family(strategy, impl)
     names = list(TRAINERS[family])
     description = DESCRIPTION[f"fsdp2/{strategy}" if family == "fsdp2" else strategy]
-    print(f"minifsdp compare: TinyGPT on {args.world_size} local ranks (gloo), {args.steps} steps, "
+    print(f"minifsdp compare: TinyGPT on {args.world_size} local ranks ({placement.describe()}), {args.steps} steps, "
           f"{args.optimizer}, our collectives={args.collectives}; {description}; "
           f"trainers: {', '.join(names)}", flush=True)
-    results = spawn(compare_worker, args=(args, names), world_size=args.world_size, timeout_s=120)
+    results = spawn(compare_worker, args=(args, names), world_size=args.world_size, backend=placement.backend,
+                    timeout_s=120 if device == "cpu" else 300)
     res = results[0]
     worst = max(r["diffs"][-1] for r in results)
     first, ref = names[0], names[-1]

@@ -5,12 +5,16 @@ this rank's GPU and returns numpy summaries (the tests only compare them):
 
 * FSDP FULL_SHARD / SHARD_GRAD_OP vs torch FSDP1 on the TinyGPT (losses, clip norms,
   each rank's flat shards, full parameters), ours with and without activation checkpointing;
+* bf16 MixedPrecision (param_dtype=bf16, reduce_dtype=fp32) vs torch FSDP1's, FULL_SHARD;
 * DDP (both bucket layouts) vs torch DDP;
-* fp16 + ShardedGradScaler vs torch's, an inf on rank 1 only; the flag with a rank that
-  has no gradients at all;
+* fp16 + ShardedGradScaler vs torch's, an inf on the last rank only; the flag with a rank
+  that has no gradients at all (at 2+ ranks: rank 0) and one that overflows;
 * the wrap-time checks whose control tensors must live on the GPU for "nccl":
-  the checksum (different weights raise on every rank), ``sync_module_states``'s
+  the checksum (different weights raise on every rank, at 2+ ranks), ``sync_module_states``'s
   broadcast, and a CPU module on an NCCL-only group (a clear error).
+
+At world size 1 both FSDP1s run NO_SHARD (torch switches to it, and ours as torch): the
+collectives are NCCL's one-rank all-reduces, the numbers still ours against torch's.
 
 ``backend`` is "nccl" (every tensor in a collective must be on the GPU) or
 "cpu:gloo,cuda:nccl" (control tensors go through gloo, gradients through NCCL).
@@ -65,8 +69,9 @@ def _summary(model, is_ours: bool, extra: dict) -> dict:
 
 
 def _train(model, device, scaler=None, inject_inf_at=None) -> dict:
-    """STEPS AdamW steps (clip 0.5), or SGD with a grad scaler; losses, norms, scales, which steps happened."""
-    rank = dist.get_rank()
+    """STEPS AdamW steps (clip 0.5), or SGD with a grad scaler (an inf on the last rank at step
+    ``inject_inf_at``); losses, norms, scales, which steps happened."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
     if scaler is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
@@ -81,7 +86,7 @@ def _train(model, device, scaler=None, inject_inf_at=None) -> dict:
             opt.step()
         else:
             scaler.scale(loss).backward()
-            if step == inject_inf_at and rank == 1:
+            if step == inject_inf_at and rank == last:
                 next(iter(model.parameters())).grad[0] = float("inf")
             before = [p.detach().clone() for p in model.parameters()]
             scaler.step(opt)
@@ -119,6 +124,12 @@ def fsdp_parity(device) -> dict:
     return out
 
 
+def mixed_precision_parity(device) -> dict:
+    """bf16 compute and all-gathers, fp32 reductions and shards: ours against torch FSDP1's MixedPrecision."""
+    ours, theirs = _fsdp_pair(device, mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    return dict(ours=_summary(ours, True, _train(ours, device)), torch=_summary(theirs, False, _train(theirs, device)))
+
+
 def scaler_parity(device) -> dict:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
 
@@ -126,8 +137,10 @@ def scaler_parity(device) -> dict:
     mine = _train(ours, device, ShardedGradScaler(init_scale=2.0**10, growth_interval=2), inject_inf_at=1)
     other = _train(theirs, device, TorchScaler(device="cuda", init_scale=2.0**10, growth_interval=2),
                    inject_inf_at=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    role = rank if world > 1 else 1  # one rank: the role of the rank that has gradients and overflows
     return dict(ours=_summary(ours, True, mine), torch=_summary(theirs, False, other),
-                flags=scaler_flags(dist.get_rank(), device))
+                flags=scaler_flags(role, device))
 
 
 def ddp_parity(device) -> dict:
@@ -150,7 +163,8 @@ def ddp_parity(device) -> dict:
 
 def wrap_checks(device, backend: str) -> dict:
     rank = dist.get_rank()
-    out = {"different_weights": _error_of(lambda: FSDP(TinyGPT(seed=rank), device_id=device))}
+    out = {"different_weights": _error_of(lambda: FSDP(TinyGPT(seed=rank), device_id=device))
+           if dist.get_world_size() > 1 else None}  # one rank is always the same as itself
     synced = FSDP(TinyGPT(seed=rank), device_id=device, sync_module_states=True)
     out["synced_full"] = dict(synced.state_dict())
     out["rank0_full"] = dict(TinyGPT(seed=0).state_dict())
@@ -164,6 +178,7 @@ def gpu_worker(backend: str) -> dict:
     device = _device()
     out = {"backend": str(dist.get_backend()), "device": str(device)}
     out["fsdp"] = fsdp_parity(device)
+    out["mp_bf16"] = mixed_precision_parity(device)
     out["scaler"] = scaler_parity(device)
     out["ddp"] = ddp_parity(device)
     out["checks"] = wrap_checks(device, backend)

@@ -1,13 +1,13 @@
-"""tests/gpu: the NCCL path, run only where there are at least 2 CUDA devices.
+"""tests/gpu: what needs CUDA, run where there is a GPU.
 
-Everything in this folder is collected everywhere (so an import error shows up on
-a laptop too) and skipped, with the reason, unless ``torch.cuda.device_count() >= 2``:
-the parity runs need one GPU per rank on a plain "nccl" group.
+Everything in this folder is collected everywhere (so an import error shows up on a laptop too) and
+skipped, with the reason, where there are fewer CUDA devices than a test needs: one, unless the test
+is marked ``@pytest.mark.gpus(2)`` (two ranks, one GPU each: NCCL takes one GPU per rank).
 
-    python -m pytest tests/gpu -q        # on a machine with 2+ GPUs
+    python -m pytest tests/gpu -q -rs       # one GPU: every one-GPU check runs; the 2-GPU ones say why they skip
 
-The cuBLAS workspace setting makes its matmuls deterministic (it is read when
-cuBLAS starts, so it is set before any test touches CUDA; spawned ranks inherit it).
+The cuBLAS workspace setting makes its matmuls deterministic (it is read when cuBLAS starts, so it
+is set before any test touches CUDA; spawned ranks inherit it).
 """
 
 import os
@@ -17,24 +17,32 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-MIN_GPUS = 2
+DEFAULT_GPUS = 1
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def gpu_skip_reason() -> str | None:
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpus(n): the test needs n CUDA devices (tests/gpu; default 1)")
+
+
+def gpus_needed(item) -> int:
+    marker = item.get_closest_marker("gpus")
+    return int(marker.args[0]) if marker is not None else DEFAULT_GPUS
+
+
+def gpu_skip_reason(need: int = DEFAULT_GPUS) -> str | None:
     n = torch.cuda.device_count()
-    if n >= MIN_GPUS:
+    if n >= need:
         return None
-    return (f"tests/gpu needs at least {MIN_GPUS} CUDA devices (one per NCCL rank); "
-            f"this machine has {n} (torch {torch.__version__}, CUDA available: {torch.cuda.is_available()})")
+    what = "one GPU" if need == 1 else f"{need} GPUs (one per NCCL rank)"
+    return (f"needs {what}; this machine has {n} CUDA device{'' if n == 1 else 's'} "
+            f"(torch {torch.__version__}, CUDA available: {torch.cuda.is_available()})")
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = gpu_skip_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if HERE in Path(item.path).resolve().parents:
-            item.add_marker(skip)
+            reason = gpu_skip_reason(gpus_needed(item))
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,6 +1,6 @@
 """Activation checkpointing on CUDA: the recompute replays the CUDA RNG and CUDA autocast.
 
-Skipped unless there are 2+ CUDA devices (``conftest.py``); runs in this process on cuda:0.
+Needs one GPU (``conftest.py``); runs in this process on cuda:0.
 Oracles: the same block without checkpointing, and ``torch.utils.checkpoint.checkpoint
 (use_reentrant=False)``.  Tolerance: BITWISE (output, input and parameter gradients):
 the same kernels on the same inputs in the same RNG and autocast state.  A recompute

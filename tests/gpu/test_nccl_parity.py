@@ -1,9 +1,11 @@
 """The parity subset on NCCL: ours against torch FSDP1 / DDP with every model on the GPU.
 
-Skipped unless there are 2+ CUDA devices (``conftest.py``).  Two spawns of 2 ranks:
-a plain "nccl" group (no CPU tensor may enter a collective: the wrap-time checksum,
-DDP's signature and broadcasts, the grad scaler's flag all live on the GPU) and
-"cpu:gloo,cuda:nccl" (control tensors on CPU through gloo, the rest on NCCL).
+One spawn per backend and world size: a plain "nccl" group (no CPU tensor may enter a
+collective: the wrap-time checksum, DDP's signature and broadcasts, the grad scaler's
+flag all live on the GPU) and "cpu:gloo,cuda:nccl" (control tensors on CPU through
+gloo, the rest on NCCL); 1 rank on one GPU, and 2 ranks (one GPU each: skipped, and
+``conftest.py`` says so, on a machine with fewer).  At 1 rank both FSDP1s run
+NO_SHARD, so the 2-rank runs are the ones that reduce-scatter across GPUs.
 
 Oracles and tolerances:
 * torch FSDP1 (same nested wrapping, ``use_orig_params=False``): BITWISE for losses,
@@ -27,12 +29,15 @@ import minifsdp
 from tests.gpu import _workers_gpu as W
 
 BACKENDS = ("nccl", "cpu:gloo,cuda:nccl")
+RUNS = [pytest.param((backend, world), id=f"{backend}-{world}rank", marks=[pytest.mark.gpus(world)])
+        for world in (1, 2) for backend in BACKENDS]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=RUNS)
 def ranks(request):
-    return minifsdp.spawn(W.gpu_worker, args=(request.param,), world_size=2, backend=request.param,
-                          timeout_s=300), request.param
+    backend, world = request.param
+    return minifsdp.spawn(W.gpu_worker, args=(backend,), world_size=world, backend=backend,
+                          timeout_s=300), backend
 
 
 def _same(a, b, what):
@@ -56,8 +61,8 @@ def _bitwise(ours, theirs, what, norms=True):
 @pytest.mark.timeout(600)
 def test_ranks_ran_on_their_gpus(ranks):
     runs, backend = ranks
-    assert [r["backend"] for r in runs] == [backend] * 2
-    assert [r["device"] for r in runs] == ["cuda:0", "cuda:1"]
+    assert [r["backend"] for r in runs] == [backend] * len(runs)
+    assert [r["device"] for r in runs] == [f"cuda:{rank}" for rank in range(len(runs))]
     for rank, r in enumerate(runs):
         assert r["fsdp"]["FULL_SHARD"]["ours"]["devices"] == [f"cuda:{rank}"]
 
@@ -66,6 +71,11 @@ def test_ranks_ran_on_their_gpus(ranks):
 def test_fsdp_bitwise_vs_torch_fsdp1(ranks, strategy):
     for rank, r in enumerate(ranks[0]):
         _bitwise(r["fsdp"][strategy]["ours"], r["fsdp"][strategy]["torch"], f"rank {rank} {strategy}")
+
+
+def test_bf16_mixed_precision_bitwise_vs_torch_fsdp1(ranks):
+    for rank, r in enumerate(ranks[0]):
+        _bitwise(r["mp_bf16"]["ours"], r["mp_bf16"]["torch"], f"rank {rank} bf16 MixedPrecision")
 
 
 def test_fsdp_checkpointed_bitwise(ranks):
@@ -89,18 +99,22 @@ def test_grad_scaler_vs_torch_and_flags_agree(ranks):
         ours, theirs = r["scaler"]["ours"], r["scaler"]["torch"]
         _bitwise(ours, theirs, f"rank {rank} fp16 scaler", norms=False)
         assert ours["scales"] == theirs["scales"]
-        assert ours["stepped"] == theirs["stepped"] == [True, False, True, True]  # the inf was on rank 1 only
-    # rank 0 has no gradients at all, rank 1 overflows at step 1: the same flags and scales on both
-    f0, f1 = runs[0]["scaler"]["flags"], runs[1]["scaler"]["flags"]
-    assert [(f, s) for f, _, _, s in f0] == [(f, s) for f, _, _, s in f1]
-    assert [f for f, *_ in f0] == [0.0, 1.0, 0.0]
+        assert ours["stepped"] == theirs["stepped"] == [True, False, True, True]  # the inf was on the last rank only
+    # 2 ranks: rank 0 has no gradients at all, rank 1 overflows at step 1: the same flags and scales on both.
+    # 1 rank: it has gradients and overflows at step 1; its flag goes through a one-rank all-reduce.
+    flags = [r["scaler"]["flags"] for r in runs]
+    for f in flags[1:]:
+        assert [(a, s) for a, _, _, s in f] == [(a, s) for a, _, _, s in flags[0]]
+    assert [f for f, *_ in flags[0]] == [0.0, 1.0, 0.0]
+    assert [stepped for _, _, stepped, _ in flags[-1]] == [True, False, True]
 
 
 def test_wrap_time_checks_on_the_gpu(ranks):
     runs, backend = ranks
     for r in runs:
         checks = r["checks"]
-        assert checks["different_weights"] and "differs across ranks" in checks["different_weights"]
+        if len(runs) > 1:
+            assert checks["different_weights"] and "differs across ranks" in checks["different_weights"]
         for name, b in runs[0]["checks"]["rank0_full"].items():
             _same(checks["synced_full"][name], b, f"sync_module_states {name}")
         if backend == "nccl":
