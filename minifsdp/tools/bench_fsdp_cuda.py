@@ -329,7 +329,8 @@ def run_fsdp_bench_cuda(args) -> int:
         cfg = CONFIGS[config]()
         plan = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
                 for k, v in DEFAULTS.get(config, OTHER_DEFAULTS).items()}
-        n_params = sum(p.numel() for p in TinyGPT(cfg, seed=0).parameters())
+        with torch.device("meta"):  # shapes only: a 300M model's init on the CPU takes seconds
+            n_params = sum(p.numel() for p in TinyGPT(cfg, seed=0).parameters())
         for precision in precisions:
             for n in world_sizes:
                 print(f"{config} ({n_params / 1e6:.1f}M parameters, {cfg.n_layer} x {cfg.n_embd}, T={cfg.block_size}, "
