@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             from minifsdp.tools.generate import run_generate
 
             return run_generate(args)
-        except JobError as e:
+        except (JobError, DeviceError) as e:
             print(f"minifsdp {args.command}: error: {e}", file=sys.stderr)
             return 2
     try:
