@@ -44,13 +44,13 @@ def state_trace_worker() -> dict:
     trace = []
     for unit in units(model):
         h = unit._handle
-        orig = h.start_reduce
+        orig = h.gradient.start_reduce  # the unit's gradient (core/gradient.py) starts its reduction
 
         def start_reduce(orig=orig, h=h):
             trace.append((h.name, _states(model)))
             orig()
 
-        h.start_reduce = start_reduce
+        h.gradient.start_reduce = start_reduce
     loss.backward()
     out["at_each_reduce"] = trace
     out["after_backward"] = _states(model)
