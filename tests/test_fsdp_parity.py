@@ -41,6 +41,11 @@ RING = [("gpt", "FULL_SHARD", "adamw"), ("mlp", "NO_SHARD", "sgd")]
 FSDP2 = [("gpt", True), ("gpt", False), ("mlp", True)]
 
 
+def _id(variant) -> str:
+    """A variant's test id: model-strategy-optimizer, e.g. ``mlp-FULL_SHARD-sgd``."""
+    return "-".join(map(str, variant))
+
+
 @pytest.fixture(scope="module")
 def runs2():
     return minifsdp.spawn(W.parity_worker, args=(2, VARIANTS_2, FSDP2, RING), world_size=2, timeout_s=300)
@@ -69,13 +74,13 @@ def _check_bitwise_vs_fsdp1(runs, key):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS_2)
+@pytest.mark.parametrize("variant", VARIANTS_2, ids=_id)
 def test_bitwise_vs_torch_fsdp1_2_ranks(runs2, variant):
     _check_bitwise_vs_fsdp1(runs2, variant + ("torch",))
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS_3)
+@pytest.mark.parametrize("variant", VARIANTS_3, ids=_id)
 def test_bitwise_vs_torch_fsdp1_3_ranks(runs3, variant):
     """3 ranks: no power of two divides N, so the gradient average is /2 before the sum and /1.5 after
     (torch's predivide/postdivide split), each rank's shard ends in padding, and the last rank's shard is
@@ -85,13 +90,13 @@ def test_bitwise_vs_torch_fsdp1_3_ranks(runs3, variant):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS_4)
+@pytest.mark.parametrize("variant", VARIANTS_4, ids=_id)
 def test_bitwise_vs_torch_fsdp1_4_ranks(runs4, variant):
     """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 as a 2 x 2 mesh (ours) against torch's (shard, replicate) pair."""
     _check_bitwise_vs_fsdp1(runs4, variant + ("torch",))
 
 
-@pytest.mark.parametrize("variant", RING)
+@pytest.mark.parametrize("variant", RING, ids=_id)
 def test_ring_collectives_2_ranks_bitwise(runs2, variant):
     _check_bitwise_vs_fsdp1(runs2, variant + ("ring",))
 

@@ -49,7 +49,7 @@ def _bitwise(ours, theirs):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_bitwise_vs_torch_fsdp1_mixed_precision(runs, case):
     for res in runs:
         _bitwise(res[case]["ours"], res[case]["torch"])

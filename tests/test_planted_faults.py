@@ -1,0 +1,106 @@
+"""Every planted fault is caught by its named test, and that test passes on the code as it is.
+
+The faults (``tests/planted_faults/catalog.py``) are realistic one-line bugs in the library: the gradient
+divide factors, padding, the last rank's shard range, resharding after forward, the prefetch direction,
+``no_sync``'s scope, the reduce dtype, the grad scaler's cross-rank inf, a local clip norm, checkpoint
+piece keys, fully_shard's copy-out offset, resume's RNG, and three regimes (NO_SHARD + ``param_dtype``
+accumulation, fp16 at 4 ranks, the divide order at 3 ranks).  Each names the fast test that must catch it.
+
+How a fault reaches a multi-rank test: the named test runs in a pytest subprocess with
+``tests/planted_faults`` on ``PYTHONPATH`` and ``MINIFSDP_PLANT_FAULT`` set; that folder's
+``sitecustomize.py`` plants the fault in every Python process that starts (the pytest process, the
+fork server the ranks are forked from, a spawned rank), in memory: no file changes.  Each process
+reports that it planted it; the subprocess reports each test's outcome and failure message.
+
+Baseline (the named test passes unplanted): ``tests/conftest.py`` records every outcome of this session
+and runs this module last, so under the whole suite each named test has already run, unplanted; only
+those not run yet (this module alone, or a selection) run once more, together, in one subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.planted_faults.catalog import FAULTS
+from tests.planted_faults.outcomes import OUTCOMES_ENV, SESSION, outcome_of
+from tests.planted_faults.plant import FAULT_ENV, REPORT_ENV, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / "tests" / "planted_faults"  # its sitecustomize.py plants the fault in every process
+ACTIVE = [f for f in FAULTS if not f.pending]
+RUN_TIMEOUT_S = 300  # one named test under one fault (the slowest, a 3-rank parity spawn, takes ~20 s)
+
+
+def _run_named(tests: list[str], tmp: Path, fault=None, timeout_s: float = RUN_TIMEOUT_S) -> tuple[dict, str, list]:
+    """Run node ids ``tests`` in a fresh pytest process (with ``fault`` planted in it and every rank it starts).
+
+    Returns (outcomes by node id, the run's output, the planting report's lines).
+    """
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                                                  else []))
+    env[OUTCOMES_ENV] = str(tmp / "outcomes.json")
+    env.pop(FAULT_ENV, None)
+    report = tmp / "planted.txt"
+    if fault is not None:
+        env[FAULT_ENV], env[REPORT_ENV] = fault.name, str(report)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", str(int(timeout_s)), *tests]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s + 60)
+    log = proc.stdout + proc.stderr
+    path = tmp / "outcomes.json"
+    outcomes = json.loads(path.read_text()) if path.exists() else {}
+    lines = report.read_text().splitlines() if report.exists() else []
+    return outcomes, log, lines
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> dict[str, dict]:
+    """Each named test's outcome on the code as it is: from this session, else from one run of all of them."""
+    named = sorted({f.test for f in ACTIVE})
+    seen = {t: outcome_of(SESSION, t) for t in named}
+    missing = [t for t, o in seen.items() if o is None]
+    if missing:
+        outcomes, log, _ = _run_named(missing, tmp_path_factory.mktemp("baseline"), timeout_s=900)
+        for t in missing:
+            seen[t] = outcome_of(outcomes, t) or {"outcome": "not run", "message": log[-3000:]}
+    return seen
+
+
+def test_every_fault_applies_to_the_code_as_it_is():
+    """One process, nothing installed: each entry's ``old`` text occurs once in its target, and the edited
+    function compiles; names are unique, each named test's file exists.  (A library change that moves a line
+    shows here first, with the entry to update.)"""
+    assert len({f.name for f in FAULTS}) == len(FAULTS)
+    for fault in ACTIVE:
+        prepare(fault)
+        assert (ROOT / fault.test.split("::")[0]).exists(), (fault.name, fault.test)
+        assert fault.old != fault.new and fault.why and fault.plants
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
+def test_named_test_fails_under_the_planted_fault(fault, baseline, tmp_path):
+    if fault.pending:
+        pytest.skip(f"pending: {fault.pending}")
+    before = baseline[fault.test]
+    assert before["outcome"] == "passed", f"{fault.test} must pass without the fault first: {before}"
+
+    start = time.perf_counter()
+    outcomes, log, report = _run_named([fault.test], tmp_path, fault)
+    seconds = time.perf_counter() - start
+    errors = [line for line in report if " error " in line]
+    assert report and not errors, f"{fault.name} was not planted: {errors or 'no process reported'}\n{log[-3000:]}"
+    after = outcome_of(outcomes, fault.test)
+    assert after is not None, f"{fault.test} did not run under {fault.name}:\n{log[-3000:]}"
+    assert after["outcome"] == "failed", (
+        f"{fault.test} must FAIL under {fault.name} ({fault.plants}); it {after['outcome']}: "
+        f"{after['message'][:1500]}")
+    print(f"\n{fault.name} ({seconds:.0f} s, planted in {len(report)} processes): {fault.test} failed with\n"
+          f"    {after['message'][:600]}")
