@@ -22,7 +22,6 @@ process appends one line to the file named by ``MINIFSDP_PLANT_REPORT`` ("<pid> 
 """
 
 from __future__ import annotations
-
 import __future__
 
 import importlib
