@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minifsdp import spawn
-from tests import _workers_hardening as W
+from tests import _workers_regimes as W
 from tests._workers_fsdp import assert_bitwise
 
 # ---------------------------------------------------------------------- 1. NO_SHARD + MixedPrecision

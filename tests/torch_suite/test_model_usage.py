@@ -1,6 +1,7 @@
-"""Ports of torch's small FSDP1 test files: multiple forwards, uneven inputs and sizes, apply and
-traversal, freezing weights (test_fsdp_multiple_forward.py, test_fsdp_uneven.py, test_fsdp_apply.py,
-test_fsdp_traversal.py, test_fsdp_freezing_weights.py), one group here to share one spawn.
+"""How a model is used around FSDP: called twice in one forward, fed uneven batches, initialised by
+``apply``, traversed, partly frozen.  Ports of torch's small FSDP1 test files
+(test_fsdp_multiple_forward.py, test_fsdp_uneven.py, test_fsdp_apply.py, test_fsdp_traversal.py,
+test_fsdp_freezing_weights.py), one group here to share one spawn.
 
 - multiple forwards: a unit called twice in one forward trains as DDP does;
 - uneven: ranks with different batch sizes, and parameter sizes no world size divides (2 and 3 ranks),

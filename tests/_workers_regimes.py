@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_fsdp_hardening.py: regimes a user hits, ours against torch FSDP1.
+"""Rank functions for tests/test_fsdp_regimes.py: regimes a user hits, ours against torch FSDP1.
 
 Each runs ours and torch FSDP1 (``device_id=cpu``) on the same seed, data and wrapping, and
 returns what a user would look at (losses, full parameters, state dicts) plus what the
