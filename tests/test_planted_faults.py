@@ -19,6 +19,7 @@ those not run yet (this module alone, or a selection) run once more, together, i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -52,7 +53,11 @@ def _run_named(tests: list[str], tmp: Path, fault=None, timeout_s: float = RUN_T
     report = tmp / "planted.txt"
     if fault is not None:
         env[FAULT_ENV], env[REPORT_ENV] = fault.name, str(report)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", str(int(timeout_s)), *tests]
+    # only the plugin the named tests use: the others (nbval, playwright, ...) cost seconds to load, every run
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    plugins = ["-p", "pytest_timeout", "--timeout", str(int(timeout_s))] if importlib.util.find_spec("pytest_timeout") \
+        else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, *tests]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s + 60)
     log = proc.stdout + proc.stderr
     path = tmp / "outcomes.json"

@@ -104,14 +104,16 @@ FAULTS = [
             "gradients near fp16's smallest normal rounds differently from torch's /2, sum, /2",
     ),
     Fault(
-        name="three_rank_divide_after_sum",
-        plants="the gradients are summed first and the sum divided by N (no pre-divide)",
+        name="three_rank_divide_factors_swapped",
+        plants="each gradient is divided by N / f before the sum and the sum by f (the two factors swapped)",
         target=f"{GRADIENT}:UnitGradient.__init__",
         old="self.predivide = predivide_factor(dp)",
-        new="self.predivide = 1.0",
+        new="self.predivide = dp / predivide_factor(dp)",
         test="tests/test_fsdp_parity.py::test_bitwise_vs_torch_fsdp1_3_ranks[mlp-FULL_SHARD-sgd]",
-        why="at 2 and 4 ranks every divide is by a power of two and both orders are exact in fp32; at 3 ranks "
-            "torch divides by 2 before and 1.5 after, which rounds differently from one divide by 3",
+        why="at 2 and 4 ranks both factors are powers of two (1 and 2, or 2 and 2) and every order is exact in "
+            "fp32; at 3 ranks torch divides by 2 before (exact) and 1.5 after, the fault by 1.5 before, once per "
+            "rank, which rounds each rank's gradient.  (Summing first and dividing by 3 after is exact-equal to "
+            "torch's order in fp32 at 3 ranks, since /2 is exact: only fp16's small numbers tell it apart)",
     ),
     # ------------------------------------------------------------------ mixed precision (chapter 4.1)
     Fault(
