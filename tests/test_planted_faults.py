@@ -36,7 +36,7 @@ from tests.planted_faults.plant import FAULT_ENV, REPORT_ENV, prepare
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "tests" / "planted_faults"  # its sitecustomize.py plants the fault in every process
 ACTIVE = [f for f in FAULTS if not f.pending]
-RUN_TIMEOUT_S = 300  # one named test under one fault (the slowest, a 3-rank parity spawn, takes ~20 s)
+RUN_TIMEOUT_S = 300  # one named test under one fault: 10-70 s on 2 busy cores
 
 
 def _run_named(tests: list[str], tmp: Path, fault=None, timeout_s: float = RUN_TIMEOUT_S) -> tuple[dict, str, list]:
@@ -44,7 +44,6 @@ def _run_named(tests: list[str], tmp: Path, fault=None, timeout_s: float = RUN_T
 
     Returns (outcomes by node id, the run's output, the planting report's lines).
     """
-
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
                                                                   else []))
