@@ -41,11 +41,12 @@ def _full(model) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
 
 
-def _differ(a: dict, b: dict) -> list[str]:
-    """The parameters whose full tensors are not bitwise equal (``bitwise_differences``); the names must match."""
+def _same(a: dict, b: dict) -> dict:
+    """name -> bit for bit equal (``bitwise_differences``); the names must match."""
     if list(a) != list(b):
         raise AssertionError(f"parameter names differ: {list(a)} vs {list(b)}")
-    return bitwise_differences(a, b)
+    differ = set(bitwise_differences(a, b))
+    return {name: name not in differ for name in a}
 
 
 def dcp_both_ways(directory: str) -> dict:
@@ -57,19 +58,19 @@ def dcp_both_ways(directory: str) -> dict:
     _train_one_step(ours)
     save_fsdp2_dcp(f"{directory}/ours", ours)
     theirs = _build("torch", seed=1, mesh=mesh)
-    out["to_torch_before"] = _differ(_full(ours), _full(theirs))
+    out["to_torch_before"] = _same(_full(ours), _full(theirs))
     dcp.load({"model": theirs.state_dict()}, checkpoint_id=f"{directory}/ours")
-    out["to_torch_after"] = _differ(_full(ours), _full(theirs))
+    out["to_torch_after"] = _same(_full(ours), _full(theirs))
 
     _train_one_step(theirs)  # now torch's model holds values ours never had
     dcp.save({"model": theirs.state_dict()}, checkpoint_id=f"{directory}/torch")
     fresh = _build("ours", seed=2, mesh=mesh)
-    out["from_torch_before"] = _differ(_full(theirs), _full(fresh))
+    out["from_torch_before"] = _same(_full(theirs), _full(fresh))
     load_fsdp2_dcp(f"{directory}/torch", fresh)
-    out["from_torch_after"] = _differ(_full(theirs), _full(fresh))
+    out["from_torch_after"] = _same(_full(theirs), _full(fresh))
     # the local rows too: rank r holds the same rows in both (torch.chunk's rule)
-    out["from_torch_locals"] = _differ({n: p.to_local() for n, p in theirs.named_parameters()},
-                                       {n: p.to_local() for n, p in fresh.named_parameters()})
+    out["from_torch_locals"] = _same({n: p.to_local() for n, p in theirs.named_parameters()},
+                                     {n: p.to_local() for n, p in fresh.named_parameters()})
     sd = fsdp2_state_dict(fresh)
     out["chunk_of_tok_emb"] = (tuple(sd["tok_emb.weight"].to_local().shape), tuple(sd["tok_emb.weight"].shape))
     return out
