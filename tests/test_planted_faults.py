@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "tests" / "planted_faults"  # its sitecustomize.py plants the fault in every process
 ACTIVE = [f for f in FAULTS if not f.pending]
 RUN_TIMEOUT_S = 300  # one named test under one fault: 10-70 s on 2 busy cores
+PARALLEL = 2  # planted runs at a time
 
 
 def _run_named(tests: list[str], tmp: Path, fault=None, timeout_s: float = RUN_TIMEOUT_S) -> tuple[dict, str, list]:
@@ -65,10 +67,30 @@ def _run_named(tests: list[str], tmp: Path, fault=None, timeout_s: float = RUN_T
     return outcomes, log, lines
 
 
+def _selected(session) -> list:
+    """The active faults whose check this session runs (all of them in CI; one with ``-k``)."""
+    names = {item.callspec.params["fault"].name for item in session.items
+             if item.originalname == "test_named_test_fails_under_the_planted_fault"}
+    return [f for f in ACTIVE if f.name in names]
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> dict[str, dict]:
+def planted(request, tmp_path_factory):
+    """The selected faults' runs, all started at once, ``PARALLEL`` at a time (a run spends much of its time
+    starting interpreters, so two overlap well on 2 cores).  ``{name: future of (outcomes, log, report, s)}``."""
+    def run(fault):
+        start = time.perf_counter()
+        out = _run_named([fault.test], tmp_path_factory.mktemp(fault.name), fault)
+        return (*out, time.perf_counter() - start)
+
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        yield {f.name: pool.submit(run, f) for f in _selected(request.session)}
+
+
+@pytest.fixture(scope="module")
+def baseline(request, tmp_path_factory) -> dict[str, dict]:
     """Each named test's outcome on the code as it is: from this session, else from one run of all of them."""
-    named = sorted({f.test for f in ACTIVE})
+    named = sorted({f.test for f in _selected(request.session)})
     seen = {t: outcome_of(SESSION, t) for t in named}
     missing = [t for t, o in seen.items() if o is None]
     if missing:
@@ -93,15 +115,13 @@ def test_every_fault_applies_to_the_code_as_it_is():
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.name)
-def test_named_test_fails_under_the_planted_fault(fault, baseline, tmp_path):
+def test_named_test_fails_under_the_planted_fault(fault, planted, baseline):
     if fault.pending:
         pytest.skip(f"pending: {fault.pending}")
     before = baseline[fault.test]
     assert before["outcome"] == "passed", f"{fault.test} must pass without the fault first: {before}"
 
-    start = time.perf_counter()
-    outcomes, log, report = _run_named([fault.test], tmp_path, fault)
-    seconds = time.perf_counter() - start
+    outcomes, log, report, seconds = planted[fault.name].result()
     errors = [line for line in report if " error " in line]
     assert report and not errors, f"{fault.name} was not planted: {errors or 'no process reported'}\n{log[-3000:]}"
     after = outcome_of(outcomes, fault.test)
@@ -109,5 +129,6 @@ def test_named_test_fails_under_the_planted_fault(fault, baseline, tmp_path):
     assert after["outcome"] == "failed", (
         f"{fault.test} must FAIL under {fault.name} ({fault.plants}); it {after['outcome']}: "
         f"{after['message'][:1500]}")
-    print(f"\n{fault.name} ({seconds:.0f} s, planted in {len(report)} processes): {fault.test} failed with\n"
+    print(f"\n{fault.name} ({seconds:.0f} s, planted in {len(report)} process{'es' * (len(report) > 1)}): {fault.test} "
+          f"failed with\n"
           f"    {after['message'][:600]}")

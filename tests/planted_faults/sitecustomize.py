@@ -12,7 +12,8 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-if os.environ.get("MINIFSDP_PLANT_FAULT"):
+# (not in multiprocessing's resource tracker, which runs no library code: importing torch there costs seconds)
+if os.environ.get("MINIFSDP_PLANT_FAULT") and not any("resource_tracker" in a for a in sys.orig_argv):
     from tests.planted_faults.plant import plant_from_environment
 
     plant_from_environment()
