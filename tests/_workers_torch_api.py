@@ -358,6 +358,16 @@ def case_clip_inf(api, norm_type: float):
                                                           for p in model.parameters()]}
 
 
+def case_clip_low_precision_grads(api, orig: bool):
+    """bf16 gradient shards (``keep_low_precision_grads=True``): the total norm comes back in their dtype."""
+    mp = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    model = api.wrap(mlp(), use_orig_params=orig, mixed_precision=mp)
+    x, y = batch(0, dist.get_rank())
+    F.mse_loss(model(x), y).backward()
+    total = model.clip_grad_norm_(0.01)
+    return {"total": total, "clipped": [None if p.grad is None else p.grad.clone() for p in model.parameters()]}
+
+
 def case_clip_no_grads(api):
     model = api.wrap(mlp())
     with warnings.catch_warnings(record=True) as caught:

@@ -35,6 +35,17 @@ def test_empty_local_pieces_have_no_grad_and_clip_as_torch_at_two_ranks(norm_typ
     assert [g is None for g in rs[0]["ours"]["grads"]] == [False, True] * 3
 
 
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig_params"])
+def test_clip_returns_the_norm_in_the_gradients_dtype_at_two_ranks(orig):
+    """With bf16 gradient shards, ``clip_grad_norm_`` computes in fp32 but returns the norm in the gradients'
+    widest dtype (bf16 here), as torch FSDP1; the clipped gradients are bitwise torch's too."""
+    rs = spawn(W1.both, ("clip_low_precision_grads", orig), world_size=2)
+    assert len(rs) == 2
+    for rank, r in enumerate(rs):
+        assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
+    assert rs[0]["torch"]["total"].dtype == torch.bfloat16
+
+
 def test_no_sync_shows_the_accumulated_unsharded_grads_at_two_ranks():
     """Inside ``no_sync()`` (use_orig_params=True) each original's ``.grad`` is the accumulated full-shape
     local gradient, as torch shows it; after the synced backward, the reduced local pieces."""

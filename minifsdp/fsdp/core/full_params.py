@@ -17,6 +17,7 @@ Note (padding): the zeros that pad a flat parameter never reach a state dict or 
 """
 
 import contextlib
+import functools
 import math
 import warnings
 from collections import OrderedDict
@@ -137,7 +138,8 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in sharded + replicated:
         g.mul_(clip_coef.to(g.device, g.dtype))
-    return total
+    dtypes = [g.dtype for g in sharded + replicated]  # returned in the gradients' widest dtype, as torch
+    return total.to(functools.reduce(torch.promote_types, dtypes)) if dtypes else total
 
 
 def buffer_dtype_of(root: nn.Module, module: nn.Module, name: str, buffer: torch.Tensor) -> torch.dtype:
