@@ -46,6 +46,18 @@ def test_clip_returns_the_norm_in_the_gradients_dtype_at_two_ranks(orig):
     assert rs[0]["torch"]["total"].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig_params"])
+def test_full_state_dict_keeps_ignored_params_and_buffers_as_the_modules_own_at_two_ranks(orig):
+    """A FULL state dict clones what FSDP gathered, and hands back the module's own tensors for an ignored
+    module's parameters and for buffers, as torch FSDP1 (and ``nn.Module.state_dict``): same keys, same values,
+    the same entries aliased."""
+    rs = spawn(W1.both, ("state_dict_aliases", orig), world_size=2)
+    assert len(rs) == 2
+    for rank, r in enumerate(rs):
+        assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
+    assert rs[0]["torch"]["aliases"]["3.weight"] and not rs[0]["torch"]["aliases"]["0.weight"]
+
+
 def test_no_sync_shows_the_accumulated_unsharded_grads_at_two_ranks():
     """Inside ``no_sync()`` (use_orig_params=True) each original's ``.grad`` is the accumulated full-shape
     local gradient, as torch shows it; after the synced backward, the reduced local pieces."""
