@@ -25,7 +25,7 @@ from minifsdp.fsdp import FSDP, ShardingStrategy
 from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.fsdp.torch_options import hybrid_groups
 from minifsdp.models import Block, CharCorpus, TinyGPT
-from tests._workers_fsdp import to_numpy
+from tests._workers_fsdp import bitwise_differences, to_numpy
 
 _CORPUS = []
 
@@ -73,19 +73,14 @@ def model_group(model):
     return groups.shard if groups is not None and groups.replicate is None else None
 
 
-def same(a: dict, b: dict) -> list[str]:
-    """Names whose tensors differ (bitwise), or are missing on one side."""
-    bad = [k for k in a if k not in b or not torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))]
-    return bad + [k for k in b if k not in a]
-
-
 def same_optim(a: dict, b: dict) -> list[str]:
-    bad = []
-    for fqn in set(a["state"]) | set(b["state"]):
-        sa, sb = a["state"].get(fqn, {}), b["state"].get(fqn, {})
-        bad += [f"{fqn}.{k}" for k in set(sa) | set(sb) if k not in sa or k not in sb
-                or not torch.equal(torch.as_tensor(sa[k]).float(), torch.as_tensor(sb[k]).float())]
-    return bad
+    """``fqn.key`` of the optimizer-state entries that differ (``bitwise_differences``), or are on one side only;
+    each entry is compared as an fp32 tensor, so a ``step`` kept as a number on one side and as a tensor on the
+    other compares by value."""
+    def entries(osd):
+        return {f"{fqn}.{k}": torch.as_tensor(v).float() for fqn, st in osd["state"].items() for k, v in st.items()}
+
+    return bitwise_differences(entries(a), entries(b))
 
 
 def two_rank_worker(tmp: str) -> dict:
@@ -100,7 +95,7 @@ def two_rank_worker(tmp: str) -> dict:
         for i in range(2):
             step(a, oa, i), step(b, ob, i)
         ours_sd, torch_sd = checkpoint.full_state_dict(a), b.state_dict()
-        out[f"{opt_name} full sd vs torch"] = same(ours_sd, torch_sd)
+        out[f"{opt_name} full sd vs torch"] = bitwise_differences(ours_sd, torch_sd)
         ours_osd = checkpoint.full_optim_state_dict(a, oa, rank0_only=False)
         torch_osd = TorchFSDP.optim_state_dict(b, ob)
         out[f"{opt_name} full optim vs torch"] = same_optim(ours_osd, torch_osd)
@@ -114,11 +109,11 @@ def two_rank_worker(tmp: str) -> dict:
         d.load_state_dict(ours_sd)
         plain = TinyGPT(seed=5)
         plain.load_state_dict(ours_sd)
-        out[f"{opt_name} ours -> torch FSDP1 -> back"] = same(ours_sd, d.state_dict())
-        out[f"{opt_name} ours -> plain"] = same(ours_sd, plain.state_dict())
+        out[f"{opt_name} ours -> torch FSDP1 -> back"] = bitwise_differences(ours_sd, d.state_dict())
+        out[f"{opt_name} ours -> plain"] = bitwise_differences(ours_sd, plain.state_dict())
         # continue: the loaded copy must take the same next step as the original (optimizer state included)
         step(a, oa, 2), step(c, oc, 2)
-        out[f"{opt_name} torch state -> ours, next step"] = same(checkpoint.full_state_dict(a),
+        out[f"{opt_name} torch state -> ours, next step"] = bitwise_differences(checkpoint.full_state_dict(a),
                                                                  checkpoint.full_state_dict(c))
     # --- 2. sharded and full checkpoints: save, load into a fresh model, continue bitwise; sizes and times
     a = ours()
@@ -144,12 +139,14 @@ def two_rank_worker(tmp: str) -> dict:
                                       my_file_bytes=files[mine]["bytes"] if mine in files and (
                                           kind == "sharded" or rank == 0) else 0)
         out[f"{kind} lr restored"] = oc.param_groups[0]["lr"]
-        out[f"{kind} load equal"] = same(checkpoint.full_state_dict(a), checkpoint.full_state_dict(c))
+        out[f"{kind} load equal"] = bitwise_differences(checkpoint.full_state_dict(a),
+                                                        checkpoint.full_state_dict(c))
         e = ours(seed=9)
         oe = make_opt("adamw", e)
         checkpoint.load(path, e, oe)
         step(e, oe, 2), step(c, oc, 2)
-        out[f"{kind} two loads continue equal"] = same(checkpoint.full_state_dict(e), checkpoint.full_state_dict(c))
+        out[f"{kind} two loads continue equal"] = bitwise_differences(checkpoint.full_state_dict(e),
+                                                                      checkpoint.full_state_dict(c))
     # --- 3. resume: stop at step 3, load into fresh objects, finish: bitwise the run that never stopped
     out["resume"] = resume_check(os.path.join(tmp, "resume"))
     # --- 4. errors on 2 ranks: a missing rank file, a world size without reshard
@@ -182,7 +179,7 @@ def resume_check(root: str) -> dict:
     resume.restore_rng(extra["rng"])
     second = [step(c, oc, i, noise=True) for i in range(extra["step"], 6)]
     return dict(kept=kept, losses_equal=straight == first + second,
-                params_diff=same(final, checkpoint.full_state_dict(c)))
+                params_diff=bitwise_differences(final, checkpoint.full_state_dict(c)))
 
 
 def error_checks(good: str, tmp: str) -> dict:
@@ -229,26 +226,26 @@ def dcp_check(root: str) -> dict:
     a = ours(seed=4)
     oa = make_opt("adamw", a)
     load_dcp(os.path.join(root, "torch"), a, oa)
-    res = {"fsdp2 -> ours": same(full_of(m), checkpoint.full_state_dict(a))}
+    res = {"fsdp2 -> ours": bitwise_differences(full_of(m), checkpoint.full_state_dict(a))}
     # the next step from the same state: FSDP2 shards rows, we shard flat numbers, yet each gradient number is
     # the same two-term sum and AdamW is elementwise, so the step is bitwise the same (measured)
     x, y = gpt_batch(2, rank, world)
     m(x, y).backward()
     o.step()
     step(a, oa, 2)
-    res["next step"] = same(full_of(m), checkpoint.full_state_dict(a))
+    res["next step"] = bitwise_differences(full_of(m), checkpoint.full_state_dict(a))
     save_dcp(os.path.join(root, "ours"), a, oa)
     m2, o2 = fsdp2(8)
     msd2, osd2 = get_state_dict(m2, o2)
     state = {"model": msd2, "optim": osd2}
     dcp.load(state, checkpoint_id=os.path.join(root, "ours"))
     set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    res["ours -> fsdp2"] = same(checkpoint.full_state_dict(a), full_of(m2))
+    res["ours -> fsdp2"] = bitwise_differences(checkpoint.full_state_dict(a), full_of(m2))
     x, y = gpt_batch(3, rank, world)  # and AdamW's state came along: the next step is the same
     m2(x, y).backward()
     o2.step()
     step(a, oa, 3)
-    res["ours -> fsdp2, next step"] = same(checkpoint.full_state_dict(a), full_of(m2))
+    res["ours -> fsdp2, next step"] = bitwise_differences(checkpoint.full_state_dict(a), full_of(m2))
     return res
 
 
@@ -311,7 +308,7 @@ def reshard_worker(tmp: str) -> dict:
             ob = make_opt("adamw", b)
             extra = checkpoint.load(path, b, ob, group=group)
             out[f"{n} ranks"] = dict(pieces=pieces_match(b, ob, full, full_osd), extra=extra,
-                                     summon=same(full, checkpoint.full_state_dict(b)),
+                                     summon=bitwise_differences(full, checkpoint.full_state_dict(b)),
                                      continues=first_loss_vs_plain(b, ob, full, 2, group))
         dist.barrier()
     if rank == 0:  # and the plain nn.Module, no FSDP at all
@@ -338,9 +335,9 @@ def reshard_worker(tmp: str) -> dict:
         c = ours(seed=5)
         oc = make_opt("adamw", c)
         checkpoint.load(again, c, oc)
-        out[name] = dict(pieces=pieces, next_step=same(a_next, nxt), max_diff=max(
+        out[name] = dict(pieces=pieces, next_step=bitwise_differences(a_next, nxt), max_diff=max(
             (a_next[k].double() - nxt[k].double()).abs().max().item() for k in a_next),
-            round_trip=same(nxt, checkpoint.full_state_dict(c)),
+            round_trip=bitwise_differences(nxt, checkpoint.full_state_dict(c)),
             files=sorted(checkpoint.read_manifest(again)["files"]),
             written=sorted(f for f, info in checkpoint.read_manifest(again)["files"].items() if info["pieces"]))
     return out

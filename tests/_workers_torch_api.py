@@ -331,6 +331,20 @@ def case_ignored(api, orig: bool, as_states: bool):
             "clipped": [None if p.grad is None else p.grad.clone() for p in model.parameters()]}
 
 
+def case_state_dict_aliases(api, orig: bool):
+    """Which FULL state-dict values share storage with the module's own tensors: an ignored module's parameters
+    and the buffers (as ``nn.Module.state_dict``); never a parameter FSDP gathered (it is freed after)."""
+    model = bn_mlp()
+    model = api.wrap(model, use_orig_params=orig, ignored_modules=[model[3]])
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    own = {n: t.untyped_storage().data_ptr() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    own = {k.replace("_fsdp_wrapped_module.", ""): v for k, v in own.items()}
+    with api.FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        sd = model.state_dict()
+    return {"aliases": {k: own.get(k) == v.untyped_storage().data_ptr() for k, v in sd.items()},
+            "values": _plain(sd)}
+
+
 # ---------------------------------------------------------------- item 7: behaviours
 def case_no_sync_grads(api, orig: bool):
     model = api.wrap(mlp(), use_orig_params=orig)
@@ -356,6 +370,16 @@ def case_clip_inf(api, norm_type: float):
     total = model.clip_grad_norm_(0.01, norm_type=norm_type)
     return {"grads": grads, "total": total, "clipped": [None if p.grad is None else p.grad.clone()
                                                           for p in model.parameters()]}
+
+
+def case_clip_low_precision_grads(api, orig: bool):
+    """bf16 gradient shards (``keep_low_precision_grads=True``): the total norm comes back in their dtype."""
+    mp = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    model = api.wrap(mlp(), use_orig_params=orig, mixed_precision=mp)
+    x, y = batch(0, dist.get_rank())
+    F.mse_loss(model(x), y).backward()
+    total = model.clip_grad_norm_(0.01)
+    return {"total": total, "clipped": [None if p.grad is None else p.grad.clone() for p in model.parameters()]}
 
 
 def case_clip_no_grads(api):

@@ -1,4 +1,4 @@
-"""Activation checkpointing (issue 4, section 3): same numbers, fewer saved activations.
+"""Activation checkpointing under FSDP (chapter 4.1): same numbers, fewer saved activations.
 
 Oracles, 2 ranks, TinyGPT with each Block its own FSDP unit and checkpointed inside it,
 4 AdamW steps, use_orig_params False and True:

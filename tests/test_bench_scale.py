@@ -1,4 +1,5 @@
-"""``python -m minifsdp bench scale`` (issue 15): its pieces, not its numbers (benchmarks are commands, not tests).
+"""``python -m minifsdp bench scale`` (the largest TinyGPT that trains under a per-rank memory limit): its
+pieces, not its numbers (benchmarks are commands, not tests).
 
 * ``params_of`` counts TinyGPT's parameters as the model does (the tied lm_head once), without building it;
 * a trial under a per-rank limit that a model cannot fit in is reported as out of memory, not as a crash,

@@ -31,6 +31,7 @@ from minifsdp.fsdp.activation_checkpointing import _autocast_state, _input_devic
 from minifsdp.fsdp.core import full_params
 from minifsdp.models import TinyGPT
 from tests import _workers_device as W
+from tests._workers_fsdp import assert_bitwise
 
 # --- part 1: control tensors --------------------------------------------------------------------
 
@@ -195,19 +196,13 @@ def _run(module, x0, mode, autocast: bool, seed=None):
     return y.detach(), x.grad, [p.grad for p in module.parameters()]
 
 
-def _assert_bitwise(a, b):
-    assert a[0].dtype == b[0].dtype and torch.equal(a[0], b[0])
-    assert torch.equal(a[1], b[1])
-    assert len(a[2]) == len(b[2]) and all(torch.equal(p, q) for p, q in zip(a[2], b[2]))
-
-
 @pytest.mark.parametrize("oracle", ("plain", "torch"))
 def test_autocast_block_bitwise(oracle):
     """A TinyGPT Block under CPU bf16 autocast: ours == no checkpointing == torch's checkpoint, bit for bit."""
     block, x = _block_and_input()
     ours = _run(block, x, "ours", autocast=True)
     assert not torch.equal(ours[1], _run(block, x, "plain", autocast=False)[1])  # guard: autocast really acted
-    _assert_bitwise(ours, _run(block, x, oracle, autocast=True))
+    assert_bitwise(ours, _run(block, x, oracle, autocast=True), f"(output, input grad, parameter grads), {oracle}")
 
 
 @pytest.mark.parametrize("autocast", (False, True))
@@ -219,7 +214,8 @@ def test_dropout_masks_replayed(autocast, oracle):
     block = nn.Sequential(nn.Linear(c, 4 * c), nn.Dropout(0.5), nn.GELU(), nn.Linear(4 * c, c))
     x = torch.randn(4, 8, c, generator=torch.Generator().manual_seed(2))
     ours = _run(block, x, "ours", autocast, seed=123)
-    _assert_bitwise(ours, _run(block, x, oracle, autocast, seed=123))
+    theirs = _run(block, x, oracle, autocast, seed=123)
+    assert_bitwise(ours, theirs, f"(output, input grad, parameter grads), {oracle}")
     other_mask = _run(block, x, "plain", autocast, seed=124)  # guard: another seed gives other gradients
     assert not torch.equal(ours[2][0], other_mask[2][0])
 

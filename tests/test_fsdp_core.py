@@ -10,12 +10,11 @@ Tolerance: none, BITWISE for the losses, the clipping norms, each rank's local f
 full parameters.
 """
 
-import numpy as np
 import pytest
 
 import minifsdp
 from tests import _workers_core as C
-from tests._workers_fsdp import full_items, pairs
+from tests._workers_fsdp import assert_same_training
 
 KINDS = ["gpt", "mlp"]
 
@@ -37,11 +36,4 @@ def test_core_class_alone_is_bitwise_torch_fsdp1(runs, kind):
         assert built["exact_handle"] and built["handles"] == ["minifsdp.fsdp.core.handle.FlatParamHandle"], built
         if world == 3:  # sizes no world size divides: the padding is part of what is compared
             assert any(p > 0 for p in built["padding"]), built["padding"]
-        ours, theirs = r["ours"], r["torch"]
-        assert len(ours["losses"]) == len(theirs["losses"]) > 0
-        assert ours["losses"] == theirs["losses"], (rank, kind)
-        assert ours["norms"] == theirs["norms"], (rank, kind)
-        for a, b in pairs(ours["shards"], theirs["shards"]):
-            assert a.shape == b.shape and np.array_equal(a, b), (rank, kind)
-        for name, a, b in full_items(ours["full"], theirs["full"], kind):
-            assert np.array_equal(a, b), (rank, kind, name)
+        assert_same_training(r["ours"], r["torch"], f"rank {rank} {kind}", kind)

@@ -1,4 +1,4 @@
-"""Bad input (issue 3, section 8): each raises a clear error that names the problem and the fix, no hang.
+"""Bad input to FSDP: each raises a clear error that names the problem and the fix, no hang.
 
 One 2-rank spawn runs every case (``_workers_fsdp.errors_worker``); both ranks
 must raise the same error (a rank that raised alone would leave the other

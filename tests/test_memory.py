@@ -332,7 +332,7 @@ def test_two_ranks_ddp_vs_fsdp1_memory():
             ours, theirs = r[ours_kind], r[torch_kind]
             for key in ("units", "rest", "end_of_forward", "peak", "peak_phase", "at_peak", "end", "resizes"):
                 assert ours[key] == theirs[key], f"{ours_kind} vs {torch_kind}, {key}: {ours[key]} != {theirs[key]}"
-        # Issue 16: ours' peak is no higher than torch's best (FSDP1; FSDP2 with fully_shard's defaults, and
+        # Ours' peak is no higher than torch's best (FSDP1; FSDP2 with fully_shard's defaults, and
         # with the root resharded after forward too).  Exact: integers; a tie with FSDP1 is the equality above.
         best = min(r[k]["peak"] for k in ("FULL_SHARD", "FSDP2_FULL_SHARD", "FSDP2_DEFAULT"))
         assert r["OURS_FULL_SHARD"]["peak"] <= best, {k: r[k]["peak"] for k in r}

@@ -1,4 +1,4 @@
-"""Every rank keeps no more tensor bytes than torch FSDP1 does (issue 19): no hidden full copy.
+"""Every rank keeps no more tensor bytes than torch FSDP1 does: no hidden full copy.
 
 Oracle: torch FSDP1 on the same model, wrapping and strategy, measured the same way in the same
 process.  Instrument: the census of every live tensor storage (``minifsdp/memory/census.py``), which

@@ -1,4 +1,4 @@
-"""MixedPrecision and ShardedGradScaler against torch FSDP1 (issue 4, section 2).
+"""MixedPrecision and ShardedGradScaler against torch FSDP1, bitwise.
 
 Oracle: torch FSDP1 ``FullyShardedDataParallel(mixed_precision=torch's MixedPrecision(...))``
 with the same nested wrapping, model, data and optimizer, 2 ranks, 4 AdamW steps.
@@ -28,7 +28,7 @@ from minifsdp.fsdp import MixedPrecision, ShardedGradScaler
 from minifsdp.fsdp.core.mixed_precision import resolve_dtypes
 from tests import _workers_mixed_precision as R
 from tests import _workers_overlap as W
-from tests._workers_fsdp import assert_bitwise, full_items, pairs
+from tests._workers_fsdp import assert_bitwise, assert_same_training, full_items, pairs
 
 CASES = [(name, s) for name in W.MP_CASES for s in ("FULL_SHARD", "SHARD_GRAD_OP")] + [("bf16", "orig_params")]
 
@@ -38,21 +38,19 @@ def runs():
     return minifsdp.spawn(W.mixed_precision_worker, world_size=2, timeout_s=240)
 
 
-def _bitwise(ours, theirs):
-    assert ours["losses"] == theirs["losses"]
-    for a, b in pairs(ours["shards"], theirs["shards"]):
-        assert a.dtype == b.dtype == np.float32  # fp32 master shards
-        assert np.array_equal(a, b)
-    for name, a, b in full_items(ours["full"], theirs["full"]):
+def _bitwise(ours, theirs, what):
+    """Bitwise torch FSDP1's training (``assert_same_training``), its shards and full parameters in fp32."""
+    assert all(a.dtype == np.float32 for a in ours["shards"])  # fp32 master shards
+    for name, a, _ in full_items(ours["full"], theirs["full"]):
         assert a.dtype == np.float32, name  # state dict in full precision, as torch
-        assert np.array_equal(a, b), name
+    assert_same_training(ours, theirs, what)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_bitwise_vs_torch_fsdp1_mixed_precision(runs, case):
-    for res in runs:
-        _bitwise(res[case]["ours"], res[case]["torch"])
+    for rank, res in enumerate(runs):
+        _bitwise(res[case]["ours"], res[case]["torch"], f"rank {rank} {case}")
 
 
 def test_low_precision_really_used(runs):
@@ -82,8 +80,8 @@ def test_autocast_and_mixed_precision_differ(runs):
 def test_sharded_grad_scaler_skips_on_every_rank(runs):
     ours = [r["scaler"]["ours"] for r in runs]
     theirs = [r["scaler"]["torch"] for r in runs]
-    for o, t in pairs(ours, theirs):
-        _bitwise(o, t)
+    for rank, (o, t) in enumerate(pairs(ours, theirs)):
+        _bitwise(o, t, f"rank {rank} scaler")
         assert o["scales"] == t["scales"]
         assert o["stepped"] == t["stepped"] == [True, False, True, True]  # the inf was on rank 1 only
     assert ours[0]["scales"] == [1024.0, 512.0, 512.0, 1024.0]  # back off, then grow after 2 good steps

@@ -19,6 +19,7 @@ import torch
 import minifsdp
 from minifsdp.parallel.pipelining import action_order, bubble_fraction, measured_bubble_fraction, simulate_timeline
 from tests import _workers_pp as w
+from tests._workers_fsdp import assert_bitwise, bitwise_differences
 
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -37,14 +38,11 @@ def _runs(request, ws):
     return request.getfixturevalue(f"run{ws}")
 
 
-def same_step(a: dict, b: dict) -> bool:
-    """Bitwise: the same losses, output and gradients (same names) for one step."""
-    if len(a["losses"]) != len(b["losses"]) or a["grads"].keys() != b["grads"].keys() or not a["grads"]:
-        return False
-    if (a["out"] is None) != (b["out"] is None) or (a["out"] is not None and not torch.equal(a["out"], b["out"])):
-        return False
-    return (all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
-            and all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"]))
+def step_of(record: dict) -> dict:
+    """What a pipeline step must reproduce bitwise (``assert_bitwise``): the losses (the last stage's), the
+    output (None on the other stages) and every gradient, by name; a step with no gradient proves nothing."""
+    assert record["grads"], "a step without gradients"
+    return {k: record[k] for k in ("losses", "out", "grads")}
 
 
 CASES = [(2, "mlp", 4), (2, "gpt", 4), (4, "mlp", 4), (4, "mlp", 8)]
@@ -58,7 +56,7 @@ def test_losses_outputs_and_grads_equal_torch_bitwise(request, ws, model, M, sch
         ours, theirs = res["parity"][(model, schedule, M, "ours")], res["parity"][(model, schedule, M, "torch")]
         assert len(ours) == len(theirs) == w.STEPS
         for step, (a, b) in enumerate(zip(ours, theirs)):
-            assert same_step(a, b), (rank, step)
+            assert_bitwise(step_of(a), step_of(b), f"rank {rank} step {step}")
             assert len(a["losses"]) == (M if rank == ws - 1 else 0)
 
 
@@ -83,9 +81,10 @@ def test_pipeline_group_argument(run4):
             ours, theirs = res["two_pipelines"][(name, "ours")], res["two_pipelines"][(name, "torch")]
             assert len(ours) == len(theirs) == w.STEPS
             for a, b in zip(ours, theirs):
-                assert same_step(a, b), (rank, name)
+                assert_bitwise(step_of(a), step_of(b), f"rank {rank} {name}")
                 assert len(a["losses"]) == (4 if rank % 2 == 1 else 0)
-    assert not same_step(run4[0]["two_pipelines"][("gpipe", "ours")][0], run4[2]["two_pipelines"][("gpipe", "ours")][0])
+    first, second = run4[0]["two_pipelines"][("gpipe", "ours")][0], run4[2]["two_pipelines"][("gpipe", "ours")][0]
+    assert bitwise_differences(step_of(first), step_of(second))
 
 
 def test_order_check_can_fail(run2):
@@ -130,19 +129,19 @@ def test_gpt_equals_unsharded_model_with_tied_weight_summed(run2, schedule):
 
 
 def test_a_dropped_backward_fails_the_gradient_check(run2):
-    """Stage 0 skipping the backward of its last micro-batch: same_step (the check above) catches it on stage
+    """Stage 0 skipping the backward of its last micro-batch: the step check above catches it on stage
     0; stage 1, which ran every backward, still passes."""
     dropped = [res["faults"]["drop_backward"][0] for res in run2]
     torch_ = [res["parity"][("mlp", "gpipe", 4, "torch")][0] for res in run2]
-    assert not same_step(dropped[0], torch_[0])
-    assert same_step(dropped[1], torch_[1])
+    assert bitwise_differences(step_of(dropped[0]), step_of(torch_[0]))
+    assert_bitwise(step_of(dropped[1]), step_of(torch_[1]), "stage 1")
 
 
 def test_missing_grad_scaling_fails_the_gradient_check(run2):
     """Without the division by M the gradients are M times torch's: caught by the same check."""
     for res in run2:
         unscaled, ref = res["faults"]["no_grad_scaling"][0], res["parity"][("mlp", "gpipe", 4, "torch")][0]
-        assert not same_step(unscaled, ref)
+        assert bitwise_differences(step_of(unscaled), step_of(ref))
         assert unscaled["grads"].keys() == ref["grads"].keys()
         for n in ref["grads"]:
             torch.testing.assert_close(unscaled["grads"][n], 4 * ref["grads"][n], rtol=RTOL, atol=ATOL)

@@ -1,4 +1,4 @@
-"""Prefetching and rate limiting (issue 4, section 1): earlier all-gathers, the same numbers.
+"""Prefetching and rate limiting (chapter 2.5): earlier all-gathers, the same numbers, torch FSDP1's order.
 
 One spawn (2 ranks, TinyGPT, blocks wrapped, 4 AdamW steps) trains every setting
 with a tracer attached; the tests read the summaries.
@@ -31,27 +31,17 @@ all-gather before its own reduce-scatter, as torch's ``_post_backward_hook``.
 
 import math
 
-import numpy as np
 import pytest
 
 import minifsdp
 from minifsdp.fsdp.core.prefetch import ExecutionOrder
 from tests import _workers_overlap as W
-from tests._workers_fsdp import full_items, pairs
+from tests._workers_fsdp import assert_same_training, pairs
 
 
 @pytest.fixture(scope="module")
 def runs():
     return minifsdp.spawn(W.prefetch_worker, world_size=2, timeout_s=240)
-
-
-def _same(a, b, with_full=True):
-    assert a["losses"] == b["losses"]
-    for x, y in pairs(a["shards"], b["shards"]):
-        assert np.array_equal(x, y)
-    if with_full:
-        for name, x, y in full_items(a["full"], b["full"]):
-            assert np.array_equal(x, y), name
 
 
 KEYS = [("FULL_SHARD", n) for n in W.PREFETCH_SETTINGS] + [("SHARD_GRAD_OP", "none"), ("SHARD_GRAD_OP", "fwd+pre")]
@@ -60,15 +50,15 @@ KEYS = [("FULL_SHARD", n) for n in W.PREFETCH_SETTINGS] + [("SHARD_GRAD_OP", "no
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("key", KEYS)
 def test_bitwise_vs_torch_fsdp1_same_prefetch(runs, key):
-    for res in runs:
-        _same(res[key]["ours"], res[key]["torch"])
+    for rank, res in enumerate(runs):
+        assert_same_training(res[key]["ours"], res[key]["torch"], f"rank {rank} {key}")
 
 
 def test_prefetch_never_changes_results(runs):
-    for res in runs:
+    for rank, res in enumerate(runs):
         base = res[("FULL_SHARD", "none")]["ours"]
         for name in ("pre", "post", "fwd+post,nolimit"):
-            _same(res[("FULL_SHARD", name)]["ours"], base)
+            assert_same_training(res[("FULL_SHARD", name)]["ours"], base, f"rank {rank} {name} vs no prefetch")
 
 
 FWD_POST = ("FULL_SHARD", "fwd+post,nolimit")

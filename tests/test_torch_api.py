@@ -1,10 +1,11 @@
-"""Code written for torch FSDP1's public API runs unchanged on ours, with torch's results (issue 20).
+"""Code written for torch FSDP1's public API runs unchanged on ours, with torch's results.
 
 Oracle: torch FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``, ``device_id=cpu``, gloo)
 running the very same user code (``tests/_workers_torch_api.py``) on the same seed and data.
 Tolerance: bitwise in fp32 (we run torch's operations in its order, see tests/test_fsdp_parity.py);
-every comparison checks keys, lengths, dtypes and shapes first.  2 ranks, 3 where sizes matter
-(no world size in {2, 3} divides the test model's flat parameters, so shards are padded).
+every comparison (``tests/_workers_fsdp.assert_bitwise``) checks keys, lengths, types, dtypes and shapes
+first.  2 ranks, 3 where sizes matter (no world size in {2, 3} divides the test model's flat parameters, so
+shards are padded).
 """
 
 import pytest
@@ -12,33 +13,14 @@ import torch
 
 from minifsdp import spawn
 from tests import _workers_torch_api as W
-
-
-def same(a, b, what="result"):
-    """Recursive equality: dict keys in order, lengths, tensor dtype, shape and bits."""
-    assert type(a) is type(b) or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)), \
-        f"{what}: {type(a).__name__} vs {type(b).__name__}"
-    if isinstance(a, dict):
-        assert list(a) == list(b), f"{what}: keys {list(a)} vs {list(b)}"
-        for k in a:
-            same(a[k], b[k], f"{what}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} entries"
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{what}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{what}: {a.dtype}{tuple(a.shape)} vs " \
-                                                         f"{b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a, b), f"{what}: values differ"
-    else:
-        assert a == b, f"{what}: {a!r} vs {b!r}"
+from tests._workers_fsdp import assert_bitwise
 
 
 def run(case, *args, world=2):
     results = spawn(W.both, (case, *args), world_size=world)
     assert len(results) == world
     for rank, r in enumerate(results):
-        same(r["ours"], r["torch"], f"rank {rank}")
+        assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
     return results
 
 
@@ -59,7 +41,7 @@ def test_full_state_dict_under_mixed_precision_keeps_buffer_dtypes():
 @pytest.mark.parametrize("orig", [False, True])
 def test_sharded_state_dict_chunks_and_round_trips(orig):
     rs = run("sharded_state_dict", orig, world=3)
-    same(rs[0]["ours"]["loaded"], rs[0]["ours"]["saved"], "loaded vs saved")
+    assert_bitwise(rs[0]["ours"]["loaded"], rs[0]["ours"]["saved"], "loaded vs saved")
 
 
 def test_local_state_dict_is_the_flat_shard_and_round_trips():
@@ -68,8 +50,9 @@ def test_local_state_dict_is_the_flat_shard_and_round_trips():
     rs = spawn(W.both, ("local_state_dict",), world_size=3)
     assert len(rs) == 3
     for r in rs:
-        same({k: r["ours"][k] for k in ("keys", "local")}, {k: r["torch"][k] for k in ("keys", "local")})
-        same(r["ours"]["loaded"], r["ours"]["saved"], "loaded vs saved")
+        assert_bitwise({k: r["ours"][k] for k in ("keys", "local")},
+                       {k: r["torch"][k] for k in ("keys", "local")})
+        assert_bitwise(r["ours"]["loaded"], r["ours"]["saved"], "loaded vs saved")
         assert not all(torch.equal(a[1], b[1]) for a, b in zip(r["ours"]["loaded"], r["ours"]["continued"]))
     assert rs[0]["ours"]["keys"] == ["_flat_param", "0._flat_param", "2._flat_param"]
 
@@ -79,7 +62,7 @@ def test_full_optim_state_dict_as_torch(rank0_only):
     rs = run("optim_state_dict", False, rank0_only, world=3)
     assert len(rs[0]["ours"]["state"]) == 6
     if not rank0_only:
-        same(rs[0]["ours"]["resumed"], rs[0]["ours"]["continued"], "resumed vs continued")
+        assert_bitwise(rs[0]["ours"]["resumed"], rs[0]["ours"]["continued"], "resumed vs continued")
 
 
 @pytest.mark.parametrize("rank0_only", [False, True])
@@ -90,7 +73,7 @@ def test_full_optim_state_dict_with_orig_params_as_torch(rank0_only):
     rs = run("optim_state_dict", True, rank0_only, "sgd", world=3)
     assert len(rs[0]["ours"]["state"]) == 6
     if not rank0_only:
-        same(rs[0]["ours"]["resumed"], rs[0]["ours"]["continued"], "resumed vs continued")
+        assert_bitwise(rs[0]["ours"]["resumed"], rs[0]["ours"]["continued"], "resumed vs continued")
 
 
 def test_state_dict_settings_as_torch():
@@ -114,9 +97,9 @@ def test_fsdp_modules(orig):
         assert len(rs) == 3
         for r in rs:
             keys = ("all", "roots", "inner")
-            same({k: r["ours"][k] for k in keys}, {k: r["torch"][k] for k in keys})
-            same([None if f is None else f.shape for f in r["ours"]["flat"]],
-                 [None if f is None else f.shape for f in r["torch"]["flat"]])
+            assert_bitwise({k: r["ours"][k] for k in keys}, {k: r["torch"][k] for k in keys})
+            assert_bitwise([None if f is None else f.shape for f in r["ours"]["flat"]],
+                           [None if f is None else f.shape for f in r["torch"]["flat"]])
         return
     rs = run("fsdp_modules", False, world=3)
     assert rs[0]["ours"]["roots"] == [""]

@@ -1,9 +1,9 @@
-"""Issue 20's behaviours, part 2: torch FSDP1 user code that must behave as on torch (CPU, gloo).
+"""torch FSDP1's public API, part 2: torch FSDP1 user code that must behave as on torch (CPU, gloo).
 
 Oracle: torch FSDP1 (``device_id=cpu``, gloo) running the same rank function
 (``tests/_workers_torch_api_more.py``) on the same seed and data; bitwise in fp32 unless a test says
-why not.  Comparisons check keys, lengths, dtypes and shapes first (``tests/test_torch_api.py``'s
-``same``).  2 ranks (Linear(5, 13)'s weight and bias already straddle the shards there).
+why not.  Comparisons check keys, lengths, types, dtypes and shapes first (``tests/_workers_fsdp.assert_bitwise``).
+2 ranks (Linear(5, 13)'s weight and bias already straddle the shards there).
 """
 
 import pytest
@@ -12,14 +12,14 @@ import torch
 from minifsdp import spawn
 from tests import _workers_torch_api as W1
 from tests import _workers_torch_api_more as W
-from tests.test_torch_api import same
+from tests._workers_fsdp import assert_bitwise
 
 
 def run(case, *args, world=2):
     results = spawn(W.both, (case, *args), world_size=world)
     assert len(results) == world
     for rank, r in enumerate(results):
-        same(r["ours"], r["torch"], f"rank {rank}")
+        assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
     return results
 
 
@@ -31,8 +31,31 @@ def test_empty_local_pieces_have_no_grad_and_clip_as_torch_at_two_ranks(norm_typ
     rs = spawn(W1.both, ("clip_inf", norm_type), world_size=2)
     assert len(rs) == 2
     for rank, r in enumerate(rs):
-        same(r["ours"], r["torch"], f"rank {rank}")
+        assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
     assert [g is None for g in rs[0]["ours"]["grads"]] == [False, True] * 3
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig_params"])
+def test_clip_returns_the_norm_in_the_gradients_dtype_at_two_ranks(orig):
+    """With bf16 gradient shards, ``clip_grad_norm_`` computes in fp32 but returns the norm in the gradients'
+    widest dtype (bf16 here), as torch FSDP1; the clipped gradients are bitwise torch's too."""
+    rs = spawn(W1.both, ("clip_low_precision_grads", orig), world_size=2)
+    assert len(rs) == 2
+    for rank, r in enumerate(rs):
+        assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
+    assert rs[0]["torch"]["total"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig_params"])
+def test_full_state_dict_keeps_ignored_params_and_buffers_as_the_modules_own_at_two_ranks(orig):
+    """A FULL state dict clones what FSDP gathered, and hands back the module's own tensors for an ignored
+    module's parameters and for buffers, as torch FSDP1 (and ``nn.Module.state_dict``): same keys, same values,
+    the same entries aliased."""
+    rs = spawn(W1.both, ("state_dict_aliases", orig), world_size=2)
+    assert len(rs) == 2
+    for rank, r in enumerate(rs):
+        assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
+    assert rs[0]["torch"]["aliases"]["3.weight"] and not rs[0]["torch"]["aliases"]["0.weight"]
 
 
 def test_no_sync_shows_the_accumulated_unsharded_grads_at_two_ranks():
@@ -41,7 +64,7 @@ def test_no_sync_shows_the_accumulated_unsharded_grads_at_two_ranks():
     rs = spawn(W1.both, ("no_sync_grads", True), world_size=2)
     assert len(rs) == 2
     for rank, r in enumerate(rs):
-        same(r["ours"], r["torch"], f"rank {rank}")
+        assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
     assert [tuple(g.shape) for _, g in rs[0]["ours"]["inside1"]][:2] == [(13, 5), (13,)]
 
 
@@ -74,7 +97,7 @@ def test_dtype_conversion_after_the_first_forward_raises_as_torch(orig):
     rs = spawn(W.both, ("convert", orig, "half", False), world_size=2)
     assert len(rs) == 2
     for r in rs:
-        same(r["ours"]["params"], r["torch"]["params"])
+        assert_bitwise(r["ours"]["params"], r["torch"]["params"])
         assert r["torch"]["error"] == r["ours"]["error"] == "ValueError"
         assert r["ours"]["names_fix"]
 
@@ -113,8 +136,9 @@ def test_names_with_orig_params_as_torch():
 
 @pytest.mark.parametrize("with_step", [False, True])
 def test_nonuniform_req_grad_model_state_dict_as_torch(with_step):
-    """Issue 20's SIGSEGV report (``NonUniformReqGradNWM``, use_orig_params, fp16 params, a forward and
-    backward, then ``state_dict()``): it runs, and loss, gradients and full state dict are torch's."""
+    """torch's ``NonUniformReqGradNWM`` (frozen and trainable parameters in one unit, use_orig_params, fp16
+    parameters), a forward and backward, then ``state_dict()``: no crash, and the loss, the gradients (None
+    where a rank holds none of a parameter) and the full state dict are torch's."""
     rs = run("nonuniform_req_grad", with_step)
     assert all(g is None for _, g in rs[0]["ours"]["grads"])  # rank 0 holds none of module.2.1
     assert any(g is not None for _, g in rs[1]["ours"]["grads"])

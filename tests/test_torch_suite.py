@@ -52,9 +52,9 @@ def test_runner_catches_planted_faults():
 
 def test_fast_slice_through_the_command(tmp_path):
     out = tmp_path / "ts.json"
-    s = T.run(group="small_files", fast=True, json_path=str(out))
+    s = T.run(group="model_usage", fast=True, json_path=str(out))
     assert out.exists()
-    assert set(s["groups"]) == {"small_files"}
+    assert set(s["groups"]) == {"model_usage"}
     cases = json.loads(out.read_text())["cases"]
     failed = [(c["group"], c["case"], c["message"]) for c in cases if c["outcome"] == "failed"]
     assert not failed, failed

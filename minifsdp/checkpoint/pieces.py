@@ -1,6 +1,6 @@
 """Pieces: the one idea that makes a sharded checkpoint loadable at any world size.
 
-A flat shard is a slice of *numbers*, not of tensors (``fsdp/flat_param.py``).  So
+A flat shard is a slice of *numbers*, not of tensors (``fsdp/core/flat_param.py``).  So
 we never save "rank 1's flat_param"; we save, for every original parameter, the
 range of its own flattened numbers that this rank holds:
 
@@ -20,104 +20,33 @@ shard, so the *same* pieces map them; scalars (``step``) are copied per paramete
 
 All of it is one piece of arithmetic, :func:`overlap`: which part of a run of
 numbers lies inside a window.  Saving cuts each parameter by this rank's shard
-(:func:`holders`); loading cuts each saved piece by the range being filled
-(:class:`PieceReader`).  :func:`save_pieces` / :func:`load_shard` at the bottom
-are the same two steps on plain tensors, small enough to read in one go (the
-reference for exercises 4.3a-b).
+(:func:`holders`, re-exported from ``minifsdp/fsdp/param_pieces.py``: the one map FSDP's
+own optimizer state dict reads too); loading cuts each saved piece by the range being
+filled (:class:`PieceReader`).  :func:`save_pieces` / :func:`load_shard` at the bottom are
+the same two steps on plain tensors, small enough to read in one go (the reference for
+exercises 4.3a-b).
 
 A *holder* is a tensor the optimizer steps: a unit's ``flat_param``, an original
-parameter (``use_orig_params=True``), or a parameter of a plain module.
-
-Note (replicas write once): under NO_SHARD every rank holds the whole unit and
-under HYBRID_SHARD each shard group is a replica; only global rank 0 (NO_SHARD)
-or the ranks of the first replica (HYBRID) write, so no number is saved twice.
+parameter (``use_orig_params=True``), or a parameter of a plain module.  Replicas
+(NO_SHARD, HYBRID_SHARD's other shard groups) write nothing: ``Holder.writes``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.fsdp.core.flat_param import overlap, padded_size
-from minifsdp.fsdp.core.units import clean_name, flattened_params, units_with_params
+from minifsdp.fsdp.core.units import units_with_params
+from minifsdp.fsdp.param_pieces import Holder, Piece, holders, key_of, module_names
 
 __all__ = ["module_names", "key_of", "Piece", "Holder", "overlap", "shard_numel", "holders", "param_specs",
            "persistent_buffers", "PieceReader", "save_pieces", "load_shard"]
 
 
-def module_names(model: nn.Module) -> dict[int, str]:
-    """``id(module) -> its plain name`` for every module of ``model`` (the first name, if shared)."""
-    names: dict[int, str] = {}
-    for n, m in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(m), clean_name(n))
-    return names
-
-
-def key_of(names: dict[int, str], module: nn.Module, attr: str) -> str:
-    """The state-dict key of ``module.<attr>`` under the plain names (``module_names``)."""
-    prefix = names[id(module)]
-    return f"{prefix}.{attr}" if prefix else attr
-
-
 def shard_numel(total: int, world_size: int) -> int:
     """Numbers per rank: ``total`` padded to a multiple of ``world_size``, split evenly (9 on 4 ranks: 3)."""
     return padded_size(total, world_size) // world_size
-
-
-@dataclass
-class Piece:
-    """Numbers ``[lo, hi)`` of parameter ``fqn`` (flattened) live at ``[src_lo, src_hi)`` of the holder."""
-
-    fqn: str
-    lo: int
-    hi: int
-    src_lo: int
-    src_hi: int
-
-
-@dataclass
-class Holder:
-    tensor: torch.Tensor  # what the optimizer steps
-    pieces: list[Piece]
-    writes: bool  # does this rank write these pieces in a sharded save (replicas: see Note)
-
-
-def _first_replica(unit) -> bool:
-    h = unit._handle
-    if not h.sharded:
-        return dist.get_rank(h.groups.shard) == 0
-    return h.groups.replicate is None or dist.get_rank(h.groups.replicate) == 0
-
-
-def holders(model: nn.Module) -> list[Holder]:
-    """Every tensor the optimizer may step, with the pieces of original parameters it holds."""
-    names, out, managed = module_names(model), [], set()
-    for unit in units_with_params(model):
-        h = unit._handle
-        layout = h.layout
-        # the part of the flat buffer this rank holds: its shard, or all of it (NO_SHARD: a layout of 1 rank)
-        start, end = layout.shard_range(h.groups.shard_rank if h.sharded else 0)
-        writes = _first_replica(unit)
-        flat_pieces = []
-        for slot in layout.slots:
-            managed.add(id(slot.param))
-            cut = overlap(slot.offset, slot.numel, start, end)
-            if cut is None:
-                continue
-            fqn, (lo, hi, src_lo, src_hi) = key_of(names, slot.module, slot.name), cut
-            flat_pieces.append(Piece(fqn, lo, hi, src_lo, src_hi))
-            if h.use_orig_params:  # the optimizer steps slot.param: a 1-D piece (sharded) or the whole
-                out.append(Holder(slot.param, [Piece(fqn, lo, hi, 0, hi - lo)], writes))
-        if not h.use_orig_params:
-            out.append(Holder(h.flat_param, flat_pieces, writes))
-    managed |= flattened_params(model)
-    for name, p in model.named_parameters():
-        if id(p) not in managed:
-            out.append(Holder(p, [Piece(clean_name(name), 0, p.numel(), 0, p.numel())], True))
-    return out
 
 
 def param_specs(model: nn.Module) -> tuple[dict[str, dict], dict[str, str]]:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.checkpoint.pieces import PieceReader, holders, param_specs
+from minifsdp.checkpoint.pieces import PieceReader, holders
+from minifsdp.fsdp import optim_state as fsdp_optim_state
 from minifsdp.fsdp.core.full_params import full_state_dict as _fsdp_full_state_dict
 from minifsdp.fsdp.core.units import units
 
@@ -102,38 +103,11 @@ def sharded_state_dict(model: nn.Module, optimizer=None) -> dict:
 def full_optim_state_dict(model: nn.Module, optimizer, rank0_only: bool = True, group=None) -> dict:
     """The optimizer state with whole tensors under original names (collective: gathers every rank's pieces).
 
-    Same format as torch FSDP1's ``FSDP.optim_state_dict(model, optim)`` with a
-    full state dict type; on other ranks ``{}`` when ``rank0_only``.  ``group``: the
-    ranks the model is sharded over (default: all).
+    torch FSDP1's ``FSDP.optim_state_dict`` format, and the same function
+    (``minifsdp/fsdp/optim_state.py``); on other ranks ``{}`` when ``rank0_only``.  ``group``: the
+    ranks the model is sharded over (default: its shard group, or all).
     """
-    mine = []
-    for h in holders(model):
-        if h.writes:
-            states = _optim_state_of(optimizer, h)
-            mine += [(p.fqn, p.lo, p.hi, states[p.fqn]) for p in h.pieces if p.fqn in states]
-    rank, _ = rank_and_world(group)
-    everyone = all_gather_object(mine, group)
-    if rank0_only and rank != 0:
-        return {}
-    specs, _ = param_specs(model)
-    state: dict[str, dict] = {}
-    for fqn, lo, hi, d in (item for per_rank in everyone for item in per_rank):
-        shape = specs[fqn]["shape"]
-        numel = int(torch.Size(shape).numel())
-        full = state.setdefault(fqn, {})
-        for k, v in d.items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                if k not in full:
-                    full[k] = torch.zeros(numel, dtype=v.dtype)
-                full[k][lo:hi] = v
-            else:
-                full.setdefault(k, v)
-    for fqn, d in state.items():
-        for k, v in d.items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                d[k] = v.view(specs[fqn]["shape"])
-    ordered = {f: state[f] for f in specs if f in state}
-    return {"state": ordered, "param_groups": _param_groups(model, optimizer)}
+    return fsdp_optim_state.full_optim_state_dict(model, optimizer, rank0_only=rank0_only, group=group)
 
 
 def load_optimizer_from(reader: PieceReader, model: nn.Module, optimizer) -> None:
@@ -173,9 +147,4 @@ def load_param_groups(optimizer, saved_groups: list[dict], where: str) -> None:
 
 def load_full_optim_state_dict(model: nn.Module, optimizer, osd: dict) -> None:
     """Load a full optimizer state dict (ours, or torch FSDP1's ``FSDP.optim_state_dict``) on every rank."""
-    specs, _ = param_specs(model)
-    index = {"<memory>": {f: [0, int(torch.Size(s["shape"]).numel())] for f, s in specs.items()
-                          if f in osd["state"]}}
-    reader = PieceReader(index, lambda _name: {"optim": osd, "model": {}})
-    load_optimizer_from(reader, model, optimizer)
-    load_param_groups(optimizer, osd["param_groups"], "optimizer state dict")
+    optimizer.load_state_dict(fsdp_optim_state.optim_state_for(model, optimizer, osd))

@@ -16,7 +16,8 @@ The rest is torch FSDP1's wider API, built on the core (the core never imports i
     checks.py           bad input at wrap and step time: devices, weights that differ across ranks, a stale
                         optimizer, a weight tied across units
     state_dict_type.py  FSDP.state_dict_type: FULL / SHARDED / LOCAL state dicts
-    optim_state.py      FSDP.optim_state_dict / optim_state_dict_to_load
+    optim_state.py      FSDP.optim_state_dict / optim_state_dict_to_load (minifsdp.checkpoint's too)
+    param_pieces.py     which numbers of which original parameter each tensor the optimizer steps holds
     grad_scaler.py      ch 4.1: ShardedGradScaler, fp16 loss scaling over shards
     activation_checkpointing.py  ch 2.3: recompute whole blocks in the backward
 """

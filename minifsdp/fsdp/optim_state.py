@@ -1,23 +1,21 @@
 """``FSDP.optim_state_dict`` / ``FSDP.optim_state_dict_to_load``: the optimizer state under original names.
 
-The optimizer under FSDP steps what ``model.parameters()`` yields: each unit's flat
-shard (or, with ``use_orig_params=True``, each original parameter's 1-D piece of it),
-so its state (Adam's ``exp_avg``, ...) has those shapes.  torch FSDP1's FULL format
-undoes that:
+The optimizer under FSDP steps each unit's flat shard (or, with ``use_orig_params=True``, each
+original parameter's 1-D piece of it), so its state (Adam's ``exp_avg``, ...) has those shapes.
+torch FSDP1's FULL format undoes that:
 
     optim.state_dict()          {0: {"step": 2., "exp_avg": [shard of unit 0's flat param]}, ...}
     FSDP.optim_state_dict       {"state": {"0.weight": {"step": 2., "exp_avg": 13x5}, ...},
                                  "param_groups": [{"lr": ..., "params": ["0.weight", "0.bias", ...]}]}
 
-Both directions use one map (:func:`_pieces`): for every tensor the optimizer may hold,
-which numbers of which original parameter its numbers are, from the unit's layout
-(``flat_param.py``): ``tensor.view(-1)[src_lo:src_hi] == original.view(-1)[dst_lo:dst_lo + n]``.
-Saving all-gathers every rank's pieces (``all_gather_object``) and pastes them into
-whole tensors; loading cuts each rank's pieces back out (no communication, unless
-``FullOptimStateDictConfig(rank0_only=True)``: then rank 0's dict is broadcast first).
+Both directions read one map, ``param_pieces.holders``: which numbers of which original parameter
+each tensor the optimizer steps holds.  Saving all-gathers every rank's pieces
+(``all_gather_object``) and pastes them into whole tensors; loading cuts each rank's pieces back
+out (no communication, unless ``FullOptimStateDictConfig(rank0_only=True)``: then rank 0's dict is
+broadcast first).  ``minifsdp.checkpoint``'s full optimizer state dict is this one.
 
-Only the FULL type is offered (torch's default); SHARDED / LOCAL optimizer state
-dicts are refused with the fix (``minifsdp.checkpoint`` saves sharded optimizer state).
+Only the FULL type is offered (torch's default); SHARDED / LOCAL optimizer state dicts are refused
+with the fix (``minifsdp.checkpoint`` saves sharded optimizer state).
 """
 
 from __future__ import annotations
@@ -27,45 +25,26 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import StateDictType
 
-from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units
+from minifsdp.fsdp.core.units import clean_name, units, units_with_params
+from minifsdp.fsdp.param_pieces import holders, key_of, module_names
 from minifsdp.fsdp.state_dict_type import get_state_dict_type
 
-__all__ = ["optim_state_dict", "optim_state_dict_to_load"]
+__all__ = ["optim_state_dict", "optim_state_dict_to_load", "full_optim_state_dict", "optim_state_for"]
 
 
 def _pieces(model: nn.Module) -> dict[int, tuple[torch.Tensor, list]]:
-    """id(tensor) -> (tensor, [(fqn, src_lo, src_hi, dst_lo)]) for every tensor an optimizer may step.
-
-    Every original parameter is listed on every rank, in the layout's order; where this rank
-    holds none of it, ``src_lo == src_hi``."""
-    out: dict[int, tuple[torch.Tensor, list]] = {}
-    for unit_name, u in model.named_modules():
-        h = u._handle if is_unit(u) else None
-        if h is None:
-            continue
-        start = h.rank * h.flat_param.numel() if h.sharded else 0
-        prefix = clean_name(unit_name)
-        for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces()):
-            fqn = f"{prefix}.{slot.fqn}" if prefix else slot.fqn
-            dst = lo + start - slot.offset
-            if h.use_orig_params:
-                out.setdefault(id(slot.param), (slot.param, []))[1].append((fqn, 0, hi - lo, dst))
-            else:  # every slot, even one this rank holds none of (lo == hi): the names are the same everywhere
-                out.setdefault(id(h.flat_param), (h.flat_param, []))[1].append((fqn, lo, hi, dst))
-    managed = flattened_params(model)
-    for name, p in model.named_parameters():  # parameters FSDP leaves alone (ignored_modules): whole
-        if id(p) not in out and id(p) not in managed:
-            out[id(p)] = (p, [(clean_name(name), 0, p.numel(), 0)])
-    return out
+    """id(tensor) -> (tensor, [(fqn, src_lo, src_hi, dst_lo)]) for every tensor an optimizer may step, every
+    original listed on every rank in the layout's order (``src_lo == src_hi`` where this rank holds none):
+    ``tensor.view(-1)[src_lo:src_hi] == original.view(-1)[dst_lo:dst_lo + n]``."""
+    return {id(h.tensor): (h.tensor, [(p.fqn, p.src_lo, p.src_hi, p.lo) for p in h.pieces])
+            for h in holders(model, every_slot=True)}
 
 
 def _shapes(model: nn.Module) -> dict[str, torch.Size]:
-    shapes = {}
-    for unit_name, u in model.named_modules():
-        if is_unit(u) and u._handle is not None:
-            prefix = clean_name(unit_name)
-            for slot in u._handle.layout.slots:
-                shapes[f"{prefix}.{slot.fqn}" if prefix else slot.fqn] = slot.shape
+    names, shapes = module_names(model), {}
+    for u in units_with_params(model):
+        for slot in u._handle.layout.slots:
+            shapes[key_of(names, slot.module, slot.name)] = slot.shape
     for name, p in model.named_parameters():
         shapes.setdefault(clean_name(name), p.shape)
     return shapes
@@ -89,6 +68,13 @@ def _group(model):
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict=None, group=None) -> dict:
     """torch FSDP1's FULL optimizer state dict: whole tensors under the plain names (a collective)."""
     cfg = _full_type(model, "optim_state_dict")
+    return full_optim_state_dict(model, optim, rank0_only=cfg.rank0_only, group=group)
+
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = False,
+                          group=None) -> dict:
+    """Whole optimizer state under the plain names, torch FSDP1's format and key order (a collective over
+    ``group``, default: the model's shard group; ``{}`` on ranks other than 0 with ``rank0_only``)."""
     pieces = _pieces(model)
     mine, order = [], []
     for g in optim.param_groups:
@@ -105,10 +91,12 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
                     else:
                         mine.append((fqn, k, None, v.detach().clone() if torch.is_tensor(v) else v))
     group = group if group is not None else _group(model)
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if cfg.rank0_only and dist.get_rank(group) != 0:
-        return {}
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        if rank0_only and dist.get_rank(group) != 0:
+            return {}
     shapes, state = _shapes(model), {}
     for fqn, k, dst, v in (item for per_rank in everyone for item in per_rank):
         d = state.setdefault(fqn, {})
@@ -141,6 +129,15 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         box = [optim_state_dict if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         optim_state_dict = box[0]
+    out = optim_state_for(model, optim, optim_state_dict)
+    if load_directly:
+        optim.load_state_dict(out)
+    return out
+
+
+def optim_state_for(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
+    """A full optimizer state dict (ours, or torch FSDP1's) cut into this rank's pieces, keyed as
+    ``optim.state_dict()`` (no communication)."""
     saved = optim_state_dict["state"]
     pieces, state, groups, index = _pieces(model), {}, [], 0
     if len(optim_state_dict["param_groups"]) != len(optim.param_groups):
@@ -166,7 +163,4 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
                 state[index] = new
             index += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
-    out = {"state": state, "param_groups": groups}
-    if load_directly:
-        optim.load_state_dict(out)
-    return out
+    return {"state": state, "param_groups": groups}

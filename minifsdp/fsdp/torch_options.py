@@ -27,16 +27,15 @@ fp32: its inputs are cast to fp32 and its outputs back to the input's dtype
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffload  # torch's own class, re-exported (as state_dict_type.py's)
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from minifsdp.fsdp.core.mixed_precision import MixedPrecision
+from minifsdp.fsdp.core.mixed_precision import MixedPrecision, cast_floating
 from minifsdp.fsdp.core.prefetch import BackwardPrefetch
 from minifsdp.fsdp.core.strategy import HYBRID, ShardingStrategy
 from minifsdp.fsdp.core.units import is_unit
@@ -179,20 +178,16 @@ def override_mixed_precision(root: nn.Module, classes: tuple) -> None:
                       "instances with mixed precision disabled.", stacklevel=3)
 
 
-def _cast(dtype, x):
-    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
-
-
 def _cast_inputs_up(module, args):
     cast = [a.dtype for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.is_floating_point()
             and a.dtype != torch.float32]
     module.__dict__["_minifsdp_input_dtype"] = cast[-1] if cast else None  # torch: the last one cast
-    return tree_map(functools.partial(_cast, torch.float32), args)
+    return cast_floating(args, torch.float32)
 
 
 def _cast_outputs_back(module, args, output):
     dtype = module.__dict__.pop("_minifsdp_input_dtype", None)
-    return output if dtype is None else tree_map(functools.partial(_cast, dtype), output)
+    return output if dtype is None else cast_floating(output, dtype)
 
 
 def check_homogeneous(units: list) -> None:

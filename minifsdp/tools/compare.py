@@ -25,7 +25,7 @@ Every rank builds each trainer's model from the same seed and feeds it the same
                      compare: |loss difference|, max |param difference| (every rank)
 
 Under FSDP the parameters compared are each rank's local flat shards, unit by
-unit: ours and torch FSDP1 lay them out identically (``fsdp/flat_param.py``), so the
+unit: ours and torch FSDP1 lay them out identically (``fsdp/core/flat_param.py``), so the
 shards of all ranks together cover every parameter, each exactly once.  Under
 ``--impl fsdp2`` they are each parameter's local rows (``to_local()`` of ours and of
 torch's DTensor), matched by name.
@@ -44,7 +44,7 @@ can be bitwise.  Each timed step ends with ``torch.cuda.synchronize()``.
 Note (why bitwise): our DDP scales gradients by 1/N and all-reduces them with
 SUM in buckets laid out as torch's (``bucket_layout="torch"``), exactly as
 torch's Reducer does; our FSDP divides before and after the reduce-scatter by
-torch FSDP1's factors (``fsdp/sharding.py``).  At 2 ranks the sum a + b has only one
+torch FSDP1's factors (``fsdp/core/strategy.py``).  At 2 ranks the sum a + b has only one
 possible rounding, so even our ring gives the same bits; at 3+ ranks our ring
 may add in another order than gloo's and differ in the last bits (the verdict
 then says "within tol").

@@ -294,5 +294,5 @@ def plug_into(model: nn.Module, twin: nn.Module, plug: Plug, mirror=None) -> Non
             if u._handle is not None:
                 u._handle.comm = comm
     if "prefetch_target" in fns:
-        model._init_root()  # what the first forward would do (root.py); then its order is ours to replace
+        model._init_root()  # what the first forward would do (core/fsdp.py); then its order is ours to replace
         model._root_step.order = StudentOrder(plug)

@@ -1,4 +1,4 @@
-"""torch's own FSDP1 tests, ported: torch's test models with minifsdp's FSDP in place (issue 20).
+"""torch's own FSDP1 tests, ported: torch's test models with minifsdp's FSDP in place.
 
 One module per file of pytorch's ``test/distributed/fsdp/test_fsdp_*.py``, written anew from what
 each of those tests checks.  Every case is a function ``case(api, **params)`` that builds its

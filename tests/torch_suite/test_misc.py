@@ -36,6 +36,7 @@ from torch.distributed.fsdp.wrap import always_wrap_policy
 from torch.distributed.optim import _apply_optimizer_in_backward
 from torch.testing._internal.common_fsdp import NestedWrappedModule
 
+from tests._workers_fsdp import assert_bitwise
 from tests.torch_suite import _harness as H
 from tests.torch_suite import _workers as W
 
@@ -100,8 +101,8 @@ def case_not_all_outputs_used(api, strategy):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        W.same(pair[0], pair[1], what=f"step {step} loss vs the local model")
-        W.same(api.full_params(fsdp), [p.detach() for p in local.parameters()], what=f"step {step} parameters")
+        assert_bitwise(pair[0], pair[1], f"step {step} loss vs the local model")
+        assert_bitwise(api.full_params(fsdp), [p.detach() for p in local.parameters()], f"step {step} parameters")
         losses.append(pair[0])
     return losses
 
@@ -132,7 +133,7 @@ def case_optimizer_in_backward(api):
     got, want = api.full_params(inside), api.full_params(after)
     assert len(got) == len(want) == len(before), f"{len(got)}, {len(want)}, {len(before)} parameters"
     assert all(not torch.equal(a, b) for a, b in zip(got, before)), "SGD in the backward left a parameter as it was"
-    W.same(got, want, what="SGD in the backward vs SGD after it")
+    assert_bitwise(got, want, "SGD in the backward vs SGD after it")
     left = [p.grad is not None for p in inside.parameters()]
     assert not any(left), f"gradients left behind by SGD in the backward: {left}"
     return got
@@ -157,7 +158,7 @@ def case_no_grad_unit(api, use_b, strategy):
 def case_no_params(api):
     fsdp = api.wrap(nn.ReLU())
     x = torch.randn(3, 4)
-    W.same(fsdp(x), torch.relu(x), what="ReLU under FSDP")
+    assert_bitwise(fsdp(x), torch.relu(x), "ReLU under FSDP")
 
 
 def case_homogeneous(api, attr):
@@ -197,9 +198,9 @@ def case_sync_module_states(api):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     ref = _RankSeeded(0)
-    W.same(mine, [t.detach() for t in [*ref.parameters(), *ref.buffers()]], what="rank 0's module states")
+    assert_bitwise(mine, [t.detach() for t in [*ref.parameters(), *ref.buffers()]], "rank 0's module states")
     for r, theirs in enumerate(everyone):
-        W.same(theirs, mine, what=f"rank {r}'s module states")
+        assert_bitwise(theirs, mine, f"rank {r}'s module states")
 
 
 def case_setattr_override(api, orig):

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.common_fsdp import NestedWrappedModule, TransformerWithSharedParams
 
+from tests._workers_fsdp import assert_bitwise
 from tests.torch_suite import _harness as H
 from tests.torch_suite import _workers as W
 
@@ -67,7 +68,7 @@ def case_full_state_dict(api, model, strategy, orig, rank0_only=False, mp=False)
     _perturb(api, fsdp)
     with api.FSDP.state_dict_type(fsdp, FULL, cfg):
         fsdp.load_state_dict(sd)
-    W.same(api.full_params(fsdp), saved, what="full parameters after loading the full state dict")
+    assert_bitwise(api.full_params(fsdp), saved, "full parameters after loading the full state dict")
 
 
 def case_round_trip(api, kind, strategy, orig):
@@ -81,7 +82,7 @@ def case_round_trip(api, kind, strategy, orig):
     _perturb(api, fsdp)
     with api.FSDP.state_dict_type(fsdp, sd_type):
         fsdp.load_state_dict(sd)
-    W.same(api.full_params(fsdp), saved, what=f"full parameters after a {kind} round trip")
+    assert_bitwise(api.full_params(fsdp), saved, f"full parameters after a {kind} round trip")
     return list(sd)
 
 
@@ -103,7 +104,7 @@ def case_ignored_modules(api, orig):
     ref = local.state_dict()
     assert sorted(sd) == sorted(ref), f"keys differ: {sorted(set(sd) ^ set(ref))}"
     for k in ref:
-        W.same(sd[k], ref[k], what=k)
+        assert_bitwise(sd[k], ref[k], k)
     return list(sd)
 
 
@@ -115,12 +116,12 @@ def case_local_model_loads(api, direction, orig):
     if direction == "local_into_fsdp":
         with api.FSDP.state_dict_type(fsdp, FULL):
             fsdp.load_state_dict(local.state_dict())
-        W.same(api.full_params(fsdp), [p.detach() for p in local.parameters()], what="loaded parameters")
+        assert_bitwise(api.full_params(fsdp), [p.detach() for p in local.parameters()], "loaded parameters")
     else:
         with api.FSDP.state_dict_type(fsdp, FULL):
             sd = fsdp.state_dict()
         local.load_state_dict(sd)
-        W.same([p.detach() for p in local.parameters()], api.full_params(fsdp), what="loaded local parameters")
+        assert_bitwise([p.detach() for p in local.parameters()], api.full_params(fsdp), "loaded local parameters")
 
 
 def case_full_optim_state_dict(api, orig, offload):

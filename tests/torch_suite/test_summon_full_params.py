@@ -23,6 +23,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.common_fsdp import NestedWrappedModule, TransformerWithSharedParams
 
+from tests._workers_fsdp import assert_bitwise
 from tests.torch_suite import _harness as H
 from tests.torch_suite import _workers as W
 
@@ -44,7 +45,7 @@ def case_full_values_and_names(api, model, strategy, orig):
     ref = list(local.named_parameters())
     assert [n for n, _ in got] == [n for n, _ in ref], f"names {[n for n, _ in got]} vs local {[n for n, _ in ref]}"
     for (n, a), (_, b) in zip(got, ref):
-        W.same(a, b.detach(), what=n)
+        assert_bitwise(a, b.detach(), n)
     ref_bufs = list(local.named_buffers())
     assert [n for n, _ in bufs] == [n for n, _ in ref_bufs], f"buffers {[n for n, _ in bufs]} vs local"
     assert [tuple(p.shape) for p in fsdp.parameters()] == outside, "shapes after the context differ from before"
@@ -60,7 +61,7 @@ def case_writeback(api, writeback, strategy, orig):
     after = api.full_params(fsdp)
     kept = writeback or strategy == ShardingStrategy.NO_SHARD  # torch's docs: NO_SHARD writes land anyway
     expected = [torch.full_like(b, float(i + 3)) for i, b in enumerate(before)] if kept else before
-    W.same(after, expected, what=f"full parameters after writeback={writeback}")
+    assert_bitwise(after, expected, f"full parameters after writeback={writeback}")
     inp = fsdp.module.get_input(W.CPU)
     fsdp(*inp).sum().backward()  # the model still trains after the context
 
@@ -83,7 +84,7 @@ def case_rank0_only_offload(api, rank0_only, offload, strategy, orig):
         seen = [(n, p.detach().clone()) for n, p in fsdp.named_parameters()]
     if not rank0_only or torch.distributed.get_rank() == 0:
         ref = list(W.local_model(NestedWrappedModule).named_parameters())
-        W.same([(n, p) for n, p in seen], [(n, p.detach()) for n, p in ref], what="full parameters")
+        assert_bitwise([(n, p) for n, p in seen], [(n, p.detach()) for n, p in ref], "full parameters")
     return seen
 
 
@@ -158,7 +159,7 @@ def case_from_plain_module(api, orig):
     assert not isinstance(model, api.FSDP)
     with api.FSDP.summon_full_params(model):
         got = [(n, p.detach().clone()) for n, p in model.named_parameters()]
-    W.same([p for _, p in got], [p.detach() for p in local.parameters()], what="full parameters")
+    assert_bitwise([p for _, p in got], [p.detach() for p in local.parameters()], "full parameters")
     return [n for n, _ in got]  # with no root unit, the names keep the wrappers' prefixes, as torch's
 
 
@@ -174,7 +175,7 @@ def case_single_parameter(api, orig):
     fsdp = api.wrap(One(), use_orig_params=orig)
     with api.FSDP.summon_full_params(fsdp):
         seen = [(n, p.detach().clone()) for n, p in fsdp.named_parameters()]
-    W.same(seen, [("w", torch.arange(5.0))], what="the one parameter")
+    assert_bitwise(seen, [("w", torch.arange(5.0))], "the one parameter")
 
 
 CASES = W.Cases()

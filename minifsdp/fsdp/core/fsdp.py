@@ -183,9 +183,7 @@ class FullyShardedDataParallel(Unit):
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate unsharded gradients locally, no communication; put the backward INSIDE the context.
-
-        Costs a full (unsharded) gradient per unit until the next synced backward.
-        """
+        Costs a full (unsharded) gradient per unit until the next synced backward."""
         inside = units(self)
         old = [u._sync_gradients for u in inside]
         for u in inside:

@@ -17,6 +17,7 @@ Note (padding): the zeros that pad a flat parameter never reach a state dict or 
 """
 
 import contextlib
+import functools
 import math
 import warnings
 from collections import OrderedDict
@@ -137,7 +138,8 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in sharded + replicated:
         g.mul_(clip_coef.to(g.device, g.dtype))
-    return total
+    dtypes = [g.dtype for g in sharded + replicated]  # returned in the gradients' widest dtype, as torch
+    return total.to(functools.reduce(torch.promote_types, dtypes)) if dtypes else total
 
 
 def buffer_dtype_of(root: nn.Module, module: nn.Module, name: str, buffer: torch.Tensor) -> torch.dtype:
@@ -179,6 +181,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     keep = not rank0_only or dist.get_rank() == 0
     flat_ids = {id(u._handle.flat_param) for u in units_with_params(module)}
+    own = {id(p) for p in module.parameters()} - flattened_params(module)  # left alone by FSDP: kept, as torch
     clones: dict[int, tuple] = {}  # a tied parameter is copied once, shown under both names
 
     def visit(m, prefix):
@@ -187,12 +190,12 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None)
         for name in _param_names(m, {}, flat_ids):
             p = m._parameters[name]
             if id(p) not in clones:  # (p, its copy): p kept alive, so that its id is not reused
-                full = p.detach().clone()
+                full = p.detach() if id(p) in own else p.detach().clone()  # gathered ones are freed after
                 clones[id(p)] = (p, transform(full) if transform is not None else full)
             out[clean_name(prefix + name)] = clones[id(p)][1]
-        for name in _persistent_buffers(m):  # in its own dtype (before buffer_dtype's cast), as torch
+        for name in _persistent_buffers(m):  # the module's own, in its dtype before buffer_dtype's cast, as torch
             b = m._buffers[name]
-            out[clean_name(prefix + name)] = b.detach().to(buffer_dtype_of(module, m, name, b), copy=True)
+            out[clean_name(prefix + name)] = b.detach().to(buffer_dtype_of(module, m, name, b))
 
     with torch.no_grad():
         _walk(module, visit, gather=True, rank0_only=rank0_only)

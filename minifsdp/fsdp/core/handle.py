@@ -177,14 +177,11 @@ class FlatParamHandle:
         for slot in self.layout.slots + self.layout.shared:
             setattr(slot.module, slot.name, empty)
 
-    def after_forward(self) -> None:
-        """After the unit's forward (the views stay: the backward gathers into the same storage)."""
-
-    def before_backward(self) -> None:
-        """Pre-backward, after the gather (the forward's views see the numbers again)."""
-
-    def after_backward(self) -> None:
-        """Post-backward, before the free."""
+    # Where the names point around a use: here nothing changes (the forward's views see the numbers again
+    # when the backward gathers into the same storage); use_orig_params (orig_params.py) switches them.
+    def after_forward(self) -> None: ...
+    def before_backward(self) -> None: ...
+    def after_backward(self) -> None: ...
 
     def use_full_params(self) -> None:
         """summon_full_params: every original name is an ``nn.Parameter`` of its full shape, sharing the full

@@ -1,8 +1,8 @@
-"""Rank functions for tests/test_fsdp_hardening.py: issue 9's cases, ours against torch FSDP1.
+"""Rank functions for tests/test_fsdp_regimes.py: regimes a user hits, ours against torch FSDP1.
 
 Each runs ours and torch FSDP1 (``device_id=cpu``) on the same seed, data and wrapping, and
 returns what a user would look at (losses, full parameters, state dicts) plus what the
-issue is about (a handle's state at a given moment, how many all-gathers ran).
+case is about (a handle's state at a given moment, how many all-gathers ran).
 """
 
 from __future__ import annotations

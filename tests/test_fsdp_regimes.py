@@ -1,4 +1,6 @@
-"""Issue 9's hardening items, each against torch FSDP1 on the same model, seed, data and wrapping.
+"""Regimes beyond the basic step (NO_SHARD + mixed precision, one rank, frozen units, weights tied across
+units, no_sync's all-gathers, a step between forward and backward, state dicts gathered unit by unit),
+each against torch FSDP1 on the same model, seed, data and wrapping.
 
 Oracle: torch FSDP1 (``device_id=cpu``).  Tolerance: bitwise, in bf16 too: we run torch's
 operations (casts, divide factors, collectives) on the same tensors in the same order, so
@@ -9,15 +11,8 @@ import pytest
 import torch
 
 from minifsdp import spawn
-from tests import _workers_hardening as W
-from tests.test_fsdp_user_models import _same  # equal lengths, then bitwise equal entries
-
-
-def _same_full(ours, theirs, what):
-    """[(name, tensor)] from inside summon_full_params: names and values equal."""
-    assert [n for n, _ in ours] == [n for n, _ in theirs], what
-    _same([t for _, t in ours], [t for _, t in theirs], what)
-
+from tests import _workers_regimes as W
+from tests._workers_fsdp import assert_bitwise
 
 # ---------------------------------------------------------------------- 1. NO_SHARD + MixedPrecision
 BF16 = dict(param_dtype=torch.bfloat16)  # reduce_dtype follows param_dtype, as in torch
@@ -30,8 +25,8 @@ BF16_FP32_REDUCE = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 def test_no_shard_mixed_precision_trains_as_torch(mp, orig):
     for r in spawn(W.mixed_precision_no_shard_worker, ("NO_SHARD", mp, orig, False), world_size=2):
         ours, theirs = r["ours"], r["torch"]
-        _same(ours["losses"], theirs["losses"], "losses")
-        _same_full(ours["full"], theirs["full"], "parameters")
+        assert_bitwise(ours["losses"], theirs["losses"], "losses")
+        assert_bitwise(ours["full"], theirs["full"], "parameters")
         assert ours["grad_dtypes"] == theirs["grad_dtypes"] == [["torch.float32"]] * W.STEPS  # fp32 for the optimizer
 
 
@@ -39,8 +34,8 @@ def test_no_shard_mixed_precision_trains_as_torch(mp, orig):
 def test_no_shard_mixed_precision_no_sync_accumulates_as_torch(orig):
     """A kept no_sync micro-batch: torch accumulates it in bf16 on flat_param.grad; so do we."""
     for r in spawn(W.mixed_precision_no_shard_worker, ("NO_SHARD", BF16, orig, True), world_size=2):
-        _same(r["ours"]["losses"], r["torch"]["losses"], "losses")
-        _same_full(r["ours"]["full"], r["torch"]["full"], "parameters")
+        assert_bitwise(r["ours"]["losses"], r["torch"]["losses"], "losses")
+        assert_bitwise(r["ours"]["full"], r["torch"]["full"], "parameters")
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
@@ -49,8 +44,8 @@ def test_one_rank_switches_to_no_shard_and_runs_mixed_precision_as_torch(strateg
     ours, theirs = r["ours"], r["torch"]
     assert ours["strategy"] == theirs["strategy"] == "NO_SHARD"
     assert ours["warnings"] and theirs["warnings"]  # both say so (one per unit)
-    _same(ours["losses"], theirs["losses"], "losses")
-    _same_full(ours["full"], theirs["full"], "parameters")
+    assert_bitwise(ours["losses"], theirs["losses"], "losses")
+    assert_bitwise(ours["full"], theirs["full"], "parameters")
 
 
 # ---------------------------------------------------------------------- 2. frozen units
@@ -61,8 +56,8 @@ def test_frozen_units_are_freed_right_after_their_backward_as_torch(prefetch, or
     (two with a prefetch), not one plus every frozen block met so far."""
     for r in spawn(W.frozen_units_worker, (prefetch, orig), world_size=2):
         ours, theirs = r["ours"], r["torch"]
-        _same(ours["losses"], theirs["losses"], "losses")
-        _same_full(ours["full"], theirs["full"], "parameters")
+        assert_bitwise(ours["losses"], theirs["losses"], "losses")
+        assert_bitwise(ours["full"], theirs["full"], "parameters")
         assert ours["live"] == theirs["live"]  # at every probe of every backward, the same units alive
         for snapshots in ours["live"]:
             assert [tag for tag, _ in snapshots][:4] == ["after 4", "in 4", "after 3", "in 3"]
@@ -84,8 +79,8 @@ def test_weight_tied_across_units_trains_as_torch():
     for r in spawn(W.tied_across_units_worker, (False,), world_size=2):
         ours, theirs = r["ours"], r["torch"]
         assert "error" not in ours and "error" not in theirs, (ours.get("error"), theirs.get("error"))
-        _same(ours["losses"], theirs["losses"], "losses")
-        _same_full(ours["full"], theirs["full"], "parameters")
+        assert_bitwise(ours["losses"], theirs["losses"], "losses")
+        assert_bitwise(ours["full"], theirs["full"], "parameters")
         assert sorted(ours["state_dict"]) == sorted(theirs["state_dict"])
         for k, v in theirs["state_dict"].items():
             assert torch.equal(ours["state_dict"][k], v), k
@@ -111,8 +106,8 @@ def test_all_gathers_per_micro_batch_under_no_sync_are_torch_s(strategy):
     for r in spawn(W.no_sync_all_gathers_worker, (strategy,), world_size=2):
         ours, theirs = r["ours"], r["torch"]
         assert ours["counts"] == theirs["counts"]  # (forward, backward) all-gathers of each micro-batch
-        _same(ours["losses"], theirs["losses"], "losses")
-        _same_full(ours["full"], theirs["full"], "parameters")
+        assert_bitwise(ours["losses"], theirs["losses"], "losses")
+        assert_bitwise(ours["full"], theirs["full"], "parameters")
         if strategy == "SHARD_GRAD_OP":
             assert ours["counts"][1] == ours["counts"][2] == (0, 0)  # micro-batches 2 and 3: nothing to gather
 
@@ -123,8 +118,8 @@ def test_kept_full_parameters_are_gathered_again_after_an_optimizer_step(strateg
     again (the shard's version counter changed). torch FSDP1 2.13 uses the stale ones here (its losses change
     when a no-grad forward sits between backward and step), so the oracle is our own run without it."""
     for r in spawn(W.stepped_after_no_grad_forward_worker, (strategy,), world_size=2):
-        _same(r[True]["losses"], r[False]["losses"], "losses")
-        _same_full(r[True]["full"], r[False]["full"], "parameters")
+        assert_bitwise(r[True]["losses"], r[False]["losses"], "losses")
+        assert_bitwise(r[True]["full"], r[False]["full"], "parameters")
 
 
 # ---------------------------------------------------------------------- 5. state dicts
@@ -136,7 +131,7 @@ def test_full_state_dict_is_gathered_unit_by_unit_as_torch(orig, rank0_only):
     for rank, r in enumerate(results):
         ours, theirs = r["ours"], r["torch"]
         assert ours["keys"] == theirs["keys"]
-        _same(ours["values"], theirs["values"], "state dict")
+        assert_bitwise(ours["values"], theirs["values"], "state dict")
         # at the all-gathers of the root, blocks.0, blocks.1 (its buffer allocated as the gather starts):
         # blocks.0 is freed before blocks.1 is gathered
         assert ours["live"] == theirs["live"] == [[], ["blocks.0"], ["blocks.1"]]
@@ -152,7 +147,7 @@ def test_load_state_dict_returns_incompatible_keys_as_torch(orig):
     for r in spawn(W.state_dict_worker, (orig, False), world_size=2):
         ours, theirs = r["ours"], r["torch"]
         assert ours["loaded"] == theirs["loaded"] == "<All keys matched successfully>"
-        _same_full(ours["after_load"], theirs["after_load"], "loaded parameters")
+        assert_bitwise(ours["after_load"], theirs["after_load"], "loaded parameters")
         assert ours["non_strict"] == theirs["non_strict"] == (
             "_IncompatibleKeys(missing_keys=['ln_f.bias'], unexpected_keys=['head.extra'])")
         assert ours["strict"] == theirs["strict"]  # torch's message, word for word

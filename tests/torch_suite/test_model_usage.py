@@ -1,6 +1,7 @@
-"""Ports of torch's small FSDP1 test files: multiple forwards, uneven inputs and sizes, apply and
-traversal, freezing weights (test_fsdp_multiple_forward.py, test_fsdp_uneven.py, test_fsdp_apply.py,
-test_fsdp_traversal.py, test_fsdp_freezing_weights.py), one group here to share one spawn.
+"""How a model is used around FSDP: called twice in one forward, fed uneven batches, initialised by
+``apply``, traversed, partly frozen.  Ports of torch's small FSDP1 test files
+(test_fsdp_multiple_forward.py, test_fsdp_uneven.py, test_fsdp_apply.py, test_fsdp_traversal.py,
+test_fsdp_freezing_weights.py), one group here to share one spawn.
 
 - multiple forwards: a unit called twice in one forward trains as DDP does;
 - uneven: ranks with different batch sizes, and parameter sizes no world size divides (2 and 3 ranks),
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.common_fsdp import NestedWrappedModule
 
+from tests._workers_fsdp import assert_bitwise
 from tests.torch_suite import _harness as H
 from tests.torch_suite import _workers as W
 
@@ -94,7 +96,7 @@ def case_apply(api, orig):
     local.apply(_fill)
     fsdp = api.init(NestedWrappedModule, dict(use_orig_params=orig))
     fsdp.apply(_fill)
-    W.same(api.full_params(fsdp), [p.detach() for p in local.parameters()], what="parameters after apply")
+    assert_bitwise(api.full_params(fsdp), [p.detach() for p in local.parameters()], "parameters after apply")
 
 
 def case_traversal(api):
@@ -129,7 +131,7 @@ def case_freezing(api, orig):
     with api.FSDP.summon_full_params(fsdp):
         trunk = [p.detach().clone() for p in fsdp.module.trunk.parameters()]
         head = [p.detach().clone() for p in fsdp.module.head.parameters()]
-    W.same(trunk, frozen, what="the frozen trunk")
+    assert_bitwise(trunk, frozen, "the frozen trunk")
     for i, (a, b) in enumerate(zip(head, ref.module.head.parameters())):
         torch.testing.assert_close(a, b.detach(), msg=lambda m, i=i: f"head parameter {i} vs DDP: {m}")
 
