@@ -20,8 +20,11 @@ default stream without delays.  The run uses HYBRID_SHARD over ``(WORLD, WORLD)`
 the sharded strategy that still all-gathers and reduce-scatters (FULL_SHARD becomes NO_SHARD, as in
 torch), and NCCL's one-rank all-gather and reduce-scatter are real copies on its stream.
 
-``unordered_read_is_stale`` is the guard: the same delay, and a collective issued from a stream that
-did not queue the producer, does read the old numbers: the delay is long enough to expose a missing wait.
+Two guards show the check can fail.  ``unordered_read_is_stale``: with the same delay, a collective
+issued from a stream that did not queue the producer reads the old numbers (the delay is long enough
+to expose a missing wait).  ``fault=True`` plants that mistake in our FSDP: every all-gather is issued
+while another stream is current, one that never waits for the step's work; the delayed run then trains
+on parameters the optimizer has not yet updated, and its numbers differ.
 """
 
 from __future__ import annotations
@@ -88,13 +91,30 @@ def _counted(counts: dict):
             setattr(TorchCollectives, name, fn)
 
 
+@contextlib.contextmanager
+def _all_gather_off_stream(device):
+    """Planted fault: each all-gather is issued with a stream current that never waits for the step's work."""
+    other = torch.cuda.Stream(device)
+    saved = TorchCollectives.all_gather
+
+    def unordered(self, *args, **kwargs):
+        with torch.cuda.stream(other):
+            return saved(self, *args, **kwargs)
+
+    TorchCollectives.all_gather = unordered
+    try:
+        yield
+    finally:
+        TorchCollectives.all_gather = saved
+
+
 def _late_gradient(module, inputs, output):
     """Forward hook on a Block: its output's gradient arrives behind a delay (on the stream backward runs on)."""
     if output.requires_grad:
         output.register_hook(lambda grad: _delay())
 
 
-def _train(device, strategy: str, delayed: bool) -> dict:
+def _train(device, strategy: str, delayed: bool, fault: bool = False) -> dict:
     world = dist.group.WORLD
     model = FSDP(TinyGPT(seed=0).to(device), sharding_strategy=ShardingStrategy[strategy],
                  process_group=(world, world) if strategy == "HYBRID_SHARD" else None,
@@ -111,7 +131,8 @@ def _train(device, strategy: str, delayed: bool) -> dict:
     torch.cuda.synchronize()
     side = torch.cuda.Stream(device) if delayed else torch.cuda.current_stream(device)
     losses, counts = [], {}
-    with _counted(counts), torch.cuda.stream(side):
+    planted = _all_gather_off_stream(device) if fault else contextlib.nullcontext()
+    with planted, _counted(counts), torch.cuda.stream(side):
         for x, y in batches:
             loss = model(x, y)
             loss.backward()
@@ -131,4 +152,5 @@ def streams_worker() -> dict:
     out["no_shard"] = _train(device, "NO_SHARD", delayed=False)
     out["plain"] = _train(device, "HYBRID_SHARD", delayed=False)
     out["delayed"] = _train(device, "HYBRID_SHARD", delayed=True)
+    out["planted"] = _train(device, "HYBRID_SHARD", delayed=True, fault=True)
     return to_numpy(out)

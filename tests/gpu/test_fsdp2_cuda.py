@@ -10,10 +10,10 @@ algorithms, cuBLAS workspace fixed in ``conftest.py``), the same casts to bf16 b
 and back to fp32 after the reduce-scatter, and the same optimizer loop (``_workers_fsdp2_cuda.py``).
 """
 
-import numpy as np
 import pytest
 
 import minifsdp
+from tests._workers_fsdp import assert_bitwise
 from tests.gpu import _workers_fsdp2_cuda as W
 
 WORLDS = [pytest.param(world, id=f"{world}rank", marks=[pytest.mark.gpus(world)]) for world in (1, 2)]
@@ -24,22 +24,13 @@ def ranks(request):
     return minifsdp.spawn(W.fsdp2_worker, world_size=request.param, backend="nccl", timeout_s=300)
 
 
-def _same(a, b, what):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
-    diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).max() if a.size else 0.0
-    assert np.array_equal(a, b), f"{what}: not bitwise, max |diff| = {diff:.3g}"
-
-
 @pytest.mark.parametrize("precision", ("fp32", "bf16"))
 def test_fully_shard_bitwise_vs_torch_fsdp2(ranks, precision):
     for rank, r in enumerate(ranks):
         assert r["device"] == f"cuda:{rank}"
         ours, theirs = r[f"ours/{precision}"], r[f"torch/{precision}"]
         assert ours["devices"] == theirs["devices"] == [f"cuda:{rank}"]
-        _same(ours["losses"], theirs["losses"], f"rank {rank} {precision} losses")
-        assert list(ours["locals"]) == list(theirs["locals"]), "the two name their parameters differently"
-        for name in theirs["locals"]:
-            _same(ours["locals"][name], theirs["locals"][name], f"rank {rank} {precision} local rows of {name}")
-            _same(ours["full"][name], theirs["full"][name], f"rank {rank} {precision} full {name}")
+        assert_bitwise(ours["losses"], theirs["losses"], f"rank {rank} {precision}: losses")
+        assert_bitwise(ours["locals"], theirs["locals"], f"rank {rank} {precision}: local rows")
+        assert_bitwise(ours["full"], theirs["full"], f"rank {rank} {precision}: full tensors")
         assert ours["losses"][-1] < ours["losses"][0], ours["losses"]  # it trained

@@ -22,10 +22,10 @@ If a GPU/driver combination picks different kernels for the two sides, the asser
 message prints the largest difference, to be named here as a tolerance with its reason.
 """
 
-import numpy as np
 import pytest
 
 import minifsdp
+from tests._workers_fsdp import assert_bitwise, assert_same_training
 from tests.gpu import _workers_gpu as W
 
 BACKENDS = ("nccl", "cpu:gloo,cuda:nccl")
@@ -40,22 +40,11 @@ def ranks(request):
                           timeout_s=300), backend
 
 
-def _same(a, b, what):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape, (what, a.shape, b.shape)
-    diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).max() if a.size else 0.0
-    assert np.array_equal(a, b), f"{what}: not bitwise, max |diff| = {diff:.3g}"
-
-
 def _bitwise(ours, theirs, what, norms=True):
-    _same(ours["losses"], theirs["losses"], f"{what} losses")
-    if norms:
-        _same(ours["norms"], theirs["norms"], f"{what} clip norms")
-    assert len(ours["shards"]) == len(theirs["shards"]), what
-    for i, (a, b) in enumerate(zip(ours["shards"], theirs["shards"])):
-        _same(a, b, f"{what} shard {i}")
-    for name, b in theirs["full"].items():
-        _same(ours["full"][name], b, f"{what} {name}")
+    """Losses, clip norms (``norms``), each local flat shard and every full parameter: bit for bit."""
+    if not norms:
+        ours, theirs = ({k: v for k, v in d.items() if k != "norms"} for d in (ours, theirs))
+    assert_same_training(ours, theirs, what)
 
 
 @pytest.mark.timeout(600)
@@ -87,10 +76,7 @@ def test_ddp_bitwise_vs_torch_ddp(ranks):
     for rank, r in enumerate(ranks[0]):
         theirs = r["ddp"]["torch"]
         for layout in ("reverse", "torch"):
-            ours = r["ddp"][layout]
-            _same(ours["losses"], theirs["losses"], f"rank {rank} DDP {layout} losses")
-            for i, (a, b) in enumerate(zip(ours["params"], theirs["params"])):
-                _same(a, b, f"rank {rank} DDP {layout} param {i}")
+            assert_bitwise(r["ddp"][layout], theirs, f"rank {rank} DDP {layout}")
 
 
 def test_grad_scaler_vs_torch_and_flags_agree(ranks):
@@ -115,8 +101,7 @@ def test_wrap_time_checks_on_the_gpu(ranks):
         checks = r["checks"]
         if len(runs) > 1:
             assert checks["different_weights"] and "differs across ranks" in checks["different_weights"]
-        for name, b in runs[0]["checks"]["rank0_full"].items():
-            _same(checks["synced_full"][name], b, f"sync_module_states {name}")
+        assert_bitwise(checks["synced_full"], runs[0]["checks"]["rank0_full"], "sync_module_states")
         if backend == "nccl":
             assert "FSDP: the module is on cpu" in checks["cpu_fsdp"], checks["cpu_fsdp"]
             assert "DistributedDataParallel: the module is on cpu" in checks["cpu_ddp"], checks["cpu_ddp"]

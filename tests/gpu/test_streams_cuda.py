@@ -9,16 +9,18 @@ the same run on the default stream without delays (the same kernels on the same 
 they run moves).  HYBRID_SHARD over ``(WORLD, WORLD)`` keeps the all-gathers and reduce-scatters at
 one rank, and is BITWISE our NO_SHARD run there (a sum of one number is that number).
 
-Guard (the check can fail): with the same delay, an all-gather issued from the default stream while
-the side stream writes its input reads the old numbers, and issued from the side stream the new ones.
+Guards (the check can fail): with the same delay, an all-gather issued from the default stream while
+the side stream writes its input reads the old numbers, and issued from the side stream the new ones;
+and with a fault planted in our FSDP (each all-gather issued while another stream is current), the
+delayed run is no longer bitwise the default-stream run.
 
 Not shown here: overlap of communication with compute across GPUs (``chapters`` 2.5: it needs 2+ GPUs).
 """
 
-import numpy as np
 import pytest
 
 import minifsdp
+from tests._workers_fsdp import assert_bitwise
 from tests.gpu import _workers_streams as W
 
 
@@ -28,11 +30,8 @@ def run():
 
 
 def _bitwise(a: dict, b: dict, what: str) -> None:
-    assert np.array_equal(a["losses"], b["losses"]), (what, a["losses"], b["losses"])
-    assert len(a["params"]) == len(b["params"]), what
-    for i, (p, q) in enumerate(zip(a["params"], b["params"])):
-        diff = np.abs(p.astype(np.float64) - q.astype(np.float64)).max() if p.size else 0.0
-        assert np.array_equal(p, q), f"{what}: parameter {i} not bitwise, max |diff| = {diff:.3g}"
+    assert_bitwise(a["losses"], b["losses"], f"{what}: losses")
+    assert_bitwise(a["params"], b["params"], f"{what}: parameters")
 
 
 def test_guard_an_unordered_collective_reads_old_numbers(run):
@@ -49,6 +48,12 @@ def test_the_delayed_run_gathered_and_reduce_scattered_on_a_side_stream(run):
 
 def test_side_stream_with_delays_is_bitwise_the_default_stream_run(run):
     _bitwise(run["delayed"], run["plain"], "side stream + delays vs default stream")
+
+
+def test_guard_an_all_gather_issued_off_the_step_stream_is_caught(run):
+    assert run["planted"]["counts"] == run["delayed"]["counts"]  # the same collectives, issued elsewhere
+    with pytest.raises(AssertionError, match="numbers differ"):
+        _bitwise(run["planted"], run["plain"], "planted fault vs default stream")
 
 
 def test_hybrid_one_by_one_is_bitwise_no_shard(run):
