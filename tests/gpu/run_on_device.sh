@@ -62,7 +62,7 @@ say "part 1/4: env (DEVICE=$DEVICE, OUT=$OUT, budget ${BUDGET_S}s)"
 {
     echo "commit: $(git rev-parse HEAD 2>/dev/null || echo 'unknown (no .git)')"
     echo "host: $(cat /etc/hostname 2>/dev/null || echo '?'), $(nproc) CPUs, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv
+    command -v nvidia-smi >/dev/null && timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv
     timeout 120 "$PY" - <<'EOF'
 import importlib.util, platform, torch
 print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
@@ -75,7 +75,7 @@ for m in ("pytest", "pytest_timeout", "matplotlib", "numpy", "tqdm"):
     print(f"{m}: {'yes' if importlib.util.find_spec(m) else 'MISSING'}")
 EOF
 } 2>&1 | tee "$OUT/env.txt"
-NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+NGPU=$(timeout 60 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [[ "$DEVICE" == cuda && "$NGPU" -lt 1 ]]; then
     note "env: NO CUDA GPU visible to $PY (see $OUT/env.txt): this script is for a machine with an NVIDIA GPU;"
     note "     DEVICE=cpu bash tests/gpu/run_on_device.sh checks its plumbing on a CPU"
