@@ -14,7 +14,7 @@ the side stream writes its input reads the old numbers, and issued from the side
 and with a fault planted in our FSDP (each all-gather issued while another stream is current), the
 delayed run is no longer bitwise the default-stream run.
 
-Not shown here: overlap of communication with compute across GPUs (``chapters`` 2.5: it needs 2+ GPUs).
+Not shown here: how much communication overlaps compute across GPUs (chapter 2.5): that needs two GPUs.
 """
 
 import pytest
