@@ -7,7 +7,8 @@ shard, every full tensor and the order of the collectives equal bitwise, at 2, 3
 shards, ``reshard_after_forward`` False / int, gradient accumulation, bf16 mixed precision, explicit prefetch
 and HSDP on a 2-D mesh.
 
-    param.py            one sharded parameter: padded dim-0 rows, ``to_local()`` / ``full_tensor()``
+    param.py            one sharded parameter: padded dim-0 rows under a torch DTensor (``Shard(0)``) label
+    nest.py             the tensors inside inputs and outputs (tuples, dicts, namedtuples, dataclasses)
     param_group.py      the parameters of one call: one all-gather, one reduce-scatter, state enums
     fully_shard.py      ``fully_shard(module)``: the hooks, ``FSDP<Orig>`` classes, unshard / reshard
     mixed_precision.py  ``MixedPrecisionPolicy`` and the reduce-scatter's divide rule
@@ -15,8 +16,7 @@ and HSDP on a 2-D mesh.
 
 from minifsdp.fsdp2.fully_shard import FSDPModule, fully_shard
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
-from minifsdp.fsdp2.param import ShardedParameter, ShardedState
+from minifsdp.fsdp2.param import ShardedState
 from minifsdp.fsdp2.param_group import TrainingState
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardedParameter", "ShardedState",
-           "TrainingState"]
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardedState", "TrainingState"]

@@ -11,7 +11,8 @@ What one call does to ``module``:
 
 1. takes the parameters of ``module`` that no earlier ``fully_shard`` call took (a tied weight once,
    with every ``(module, name)`` that holds it) and makes a :class:`~minifsdp.fsdp2.param_group.FSDPParamGroup`:
-   each parameter replaced by a :class:`~minifsdp.fsdp2.param.ShardedParameter` of this rank's rows.
+   each parameter replaced by an ``nn.Parameter`` wrapping a torch ``DTensor`` whose local tensor is this rank's
+   rows (see :mod:`minifsdp.fsdp2.param`: ``Shard(0)`` on the mesh, so torch's own functions see the whole).
    Buffers stay as they are (replicated); frozen parameters are sharded and gathered but get no gradient.
 2. hooks: forward pre-hook (all-gather, cast inputs, put an autograd identity on the inputs whose backward
    is the post-backward), forward hook (reshard if ``reshard_after_forward``; a tensor hook on the outputs
@@ -26,10 +27,9 @@ keeps its parameters from forward to backward (they would be gathered again at o
 an int k (dividing the shard size N) reshards to groups of k consecutive ranks after forward, so backward's
 all-gather stays inside k ranks (e.g. one node) at the cost of holding 1/k instead of 1/N in between.
 
-How ours differs from torch's, on purpose: the sharded parameters are ``nn.Parameter`` subclasses, not
-DTensors (see :mod:`minifsdp.fsdp2.param`: local ``.shape``, local ``state_dict()`` values); ``mesh`` may be
-None (the world), a 1-D ``DeviceMesh``, a process group, or a 2-D ``DeviceMesh`` ``(replicate, shard)`` for
-HSDP.  Everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with),
+How ours differs from torch's, on purpose: ``mesh`` may also be a process group (made a 1-D mesh over its
+ranks); with None it is the world, a 2-D ``DeviceMesh`` ``(replicate, shard)`` is HSDP, as torch's.  Everything
+runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with),
 so the collectives are issued in torch's order but never overlap compute.  Prefetching: the implicit
 backward prefetch of the previous group, and the explicit ``set_modules_to_forward_prefetch`` /
 ``set_modules_to_backward_prefetch``, issue gathers in torch's order (on one thread a prefetch only moves a
@@ -46,11 +46,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifsdp.comm import get_collectives
-from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, cast_floating
-from minifsdp.fsdp2.param import ShardedParameter
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
+from minifsdp.fsdp2.nest import cast_floating, tensors_in
 from minifsdp.fsdp2.param_group import CommContext, FSDPParamGroup, TrainingState
 
 __all__ = ["fully_shard", "FSDPModule", "FSDPState", "fsdp_state"]
@@ -116,6 +117,7 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:  # a recomputation inside backward
             if self.param_group is not None:
                 self.param_group.unshard()
+                self.param_group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
         first_in_pass = self.training_state is not TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
@@ -137,8 +139,8 @@ class FSDPState:
         if self.param_group is not None:
             self.param_group.post_forward()
         if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in tensors_in(output):  # dataclasses included (see minifsdp.fsdp2.nest)
+                if t.requires_grad:
                     t.register_hook(self._pre_backward)
         self.training_state = TrainingState.IDLE
         if self.ctx.iter_forward_root is self:
@@ -174,11 +176,17 @@ class FSDPState:
         ctx.callback_queued = False
 
 
-class _DoneHandle:
-    """What ``unshard(async_op=True)`` returns: the gather already happened."""
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: the all-gather ran; ``wait()`` copies out and installs the
+    full parameters (torch's handle waits for the collective first; here it already finished)."""
+
+    def __init__(self, group: FSDPParamGroup | None):
+        self.group = group
 
     def wait(self) -> None:
-        return None
+        if self.group is not None:
+            self.group.wait_for_unshard()
+            self.group = None
 
 
 class FSDPModule:
@@ -188,15 +196,19 @@ class FSDPModule:
         modules = self.modules() if recurse else [self]
         return [s for m in modules if (s := fsdp_state(m)) is not None]
 
-    def unshard(self, async_op: bool = False) -> "_DoneHandle | None":
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gather this module's parameters now (they stay gathered until :meth:`reshard`).
 
-        Always synchronous here; with ``async_op=True`` it returns a handle whose ``wait()`` does nothing,
-        so code written for torch's ``handle = m.unshard(async_op=True); handle.wait()`` runs unchanged."""
+        The collective is synchronous here; with ``async_op=True`` the full parameters are installed by the
+        returned handle's ``wait()`` (or by the module's next forward), as torch's."""
         group = fsdp_state(self).param_group
         if group is not None:
             group.unshard()
-        return _DoneHandle() if async_op else None
+        if async_op:
+            return UnshardHandle(group)
+        if group is not None:
+            group.wait_for_unshard()
+        return None
 
     def reshard(self) -> None:
         """Free this module's full parameters; the modules hold the sharded ones again."""
@@ -246,18 +258,24 @@ def _swap_class(module: nn.Module) -> None:
     module.__class__ = new_cls
 
 
-def _resolve_groups(mesh):
-    """``(shard group, replicate group or None)``: None -> the world; a 1-D ``DeviceMesh`` or a process group
-    -> shard over it; a 2-D ``DeviceMesh`` -> HSDP, dim 0 replicates and dim 1 shards (torch's convention)."""
-    if mesh is None:
-        return dist.group.WORLD, None
-    if hasattr(mesh, "get_group"):  # a torch DeviceMesh
-        if mesh.ndim == 1:
-            return mesh.get_group(), None
-        if mesh.ndim == 2:
-            return mesh.get_group(1), mesh.get_group(0)
-        raise ValueError(f"fully_shard: a mesh of 1 or 2 dimensions, not {mesh.ndim}")
-    return mesh, None  # a process group
+def _resolve_mesh(mesh, module: nn.Module) -> tuple[DeviceMesh, object, object, tuple]:
+    """``(device mesh, shard group, replicate group or None, placements)``.
+
+    ``mesh``: None -> the world; a 1-D ``DeviceMesh`` or a process group -> shard over it (``Shard(0)``); a 2-D
+    ``DeviceMesh`` -> HSDP, dim 0 replicates and dim 1 shards (``(Replicate(), Shard(0))``, torch's convention).
+    A process group becomes a 1-D mesh over its ranks (``DeviceMesh.from_group``: no new group is made)."""
+    if mesh is None or not isinstance(mesh, DeviceMesh):
+        tensors = [*module.parameters(), *module.buffers()]
+        device_type = tensors[0].device.type if tensors and tensors[0].device.type != "meta" else "cpu"
+        mesh = DeviceMesh.from_group(dist.group.WORLD if mesh is None else mesh, device_type)
+    if mesh.ndim == 1:
+        return mesh, mesh.get_group(0), None, (Shard(0),)
+    if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise ValueError("fully_shard: a 2-D mesh is HSDP (replicate, shard): init it with mesh_dim_names, "
+                             "e.g. init_device_mesh(device, (2, 2), mesh_dim_names=('replicate', 'shard'))")
+        return mesh, mesh.get_group(1), mesh.get_group(0), (Replicate(), Shard(0))
+    raise ValueError(f"fully_shard: a mesh of 1 or 2 dimensions, not {mesh.ndim}")
 
 
 def _post_forward(reshard_after_forward, mesh, group):
@@ -270,12 +288,7 @@ def _post_forward(reshard_after_forward, mesh, group):
         raise ValueError(f"fully_shard: an int reshard_after_forward must divide the shard size {n}, not {k}")
     if k in (1, n):
         return k == n, None
-    if hasattr(mesh, "mesh"):  # a DeviceMesh: every rank knows the whole layout
-        layout = mesh.mesh.view(-1, k).tolist()
-    elif mesh is None:
-        layout = torch.arange(dist.get_world_size()).view(-1, k).tolist()
-    else:
-        raise NotImplementedError("fully_shard: an int reshard_after_forward needs mesh=None or a DeviceMesh")
+    layout = mesh.mesh.view(-1, k).tolist()  # every rank knows the whole layout
     mine, _ = dist.new_subgroups_by_enumeration(layout)  # every rank creates every row's group, same order
     return True, mine
 
@@ -291,7 +304,7 @@ def _managed_params(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, li
     params, users = [], {}
     for m in managed:
         for name, p in m._parameters.items():
-            if p is None or isinstance(p, ShardedParameter):
+            if p is None or isinstance(p, DTensor):  # None, or already sharded by a nested fully_shard
                 continue
             if id(p) not in users:
                 params.append(p)
@@ -312,13 +325,14 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise NotImplementedError("fully_shard: CPU offloading (CPUOffloadPolicy) is not built here")
-    group, replicate_group = _resolve_groups(mesh)
-    reshard_after_forward, post_forward_group = _post_forward(reshard_after_forward, mesh, group)
+    device_mesh, group, replicate_group, placements = _resolve_mesh(mesh, module)
+    reshard_after_forward, post_forward_group = _post_forward(reshard_after_forward, device_mesh, group)
     params, users = _managed_params(module)
     param_group = None
     if params:
         param_group = FSDPParamGroup(params, users, group, get_collectives(collectives), mp_policy,
-                                     reshard_after_forward is not False, replicate_group, post_forward_group)
+                                     reshard_after_forward is not False, replicate_group, post_forward_group,
+                                     device_mesh, placements)
     state = FSDPState(module, param_group, mp_policy, auto_reshard=reshard_after_forward is None)
     module.__dict__[_STATE_ATTR] = state
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)

@@ -23,12 +23,12 @@ overflowing.  :func:`reduce_scatter_op` says which, and ours follows it so resul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
-__all__ = ["MixedPrecisionPolicy", "cast_floating", "reduce_scatter_op"]
+from minifsdp.fsdp.core.strategy import predivide_factor
+
+__all__ = ["MixedPrecisionPolicy", "reduce_scatter_op"]
 
 
 @dataclass(frozen=True)
@@ -41,19 +41,6 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
-def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
-    """Every floating-point tensor in a nest of tuples/lists/dicts cast to ``dtype`` (others untouched)."""
-    if dtype is None:
-        return tree
-
-    def cast(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
-
-
 def reduce_scatter_op(world_size: int, reduce_dtype: torch.dtype) -> tuple[str, float | None, float | None]:
     """``(op, divide_before, divide_after)`` for averaging gradients over ``world_size`` ranks, as torch's.
 
@@ -62,7 +49,5 @@ def reduce_scatter_op(world_size: int, reduce_dtype: torch.dtype) -> tuple[str, 
     """
     if reduce_dtype in (torch.float32, torch.bfloat16):
         return ("sum" if world_size == 1 else "avg"), None, None
-    pre = 1
-    while world_size % pre == 0 and world_size / pre > pre:
-        pre *= 2
-    return "sum", float(pre), world_size / pre
+    pre = predivide_factor(world_size)  # torch FSDP1's factor, which torch FSDP2 reuses
+    return "sum", pre, world_size / pre

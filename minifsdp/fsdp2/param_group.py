@@ -27,6 +27,17 @@ An int ``reshard_after_forward=k`` (torch's): after forward each rank keeps 1/k 
 HSDP (a 2-D mesh ``(replicate, shard)``): gathers and reduce-scatters run inside the shard group; the
 reduced shard is then all-reduced (averaged) over the replicate group, ranks holding the same rows.
 
+Gather, then install (torch's ``unshard`` / ``wait_for_unshard``): :meth:`FSDPParamGroup.unshard` only runs the
+all-gather and keeps its output; the copy-out into the full parameters and their installation on the modules
+happen in :meth:`FSDPParamGroup.wait_for_unshard`, which the group's own pre-forward / pre-backward calls.  A
+prefetch (implicit or explicit) runs only the first half.  If the prefetched group never runs (a misprefetch),
+the end of backward drops the gathered output and the group stays sharded, so the next step gathers the
+updated shards again instead of computing with the old full weights.
+
+``state_dict()`` and ``load_state_dict()`` first reshard the group (pre-hooks on every module holding its
+parameters, as torch's), so they always see the sharded DTensors, also right after a forward that kept the
+full parameters (``reshard_after_forward=False``).
+
 Note (collectives): ``comm`` is :func:`minifsdp.comm.get_collectives` -- ``"torch"`` (torch.distributed's
 ``all_gather_single`` / ``reduce_scatter_single``, the ones torch FSDP2 calls, hence bitwise parity) or
 ``"ring"`` (our hand-written ring over send/recv; sums in another order, so equal only to rounding).
@@ -41,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, reduce_scatter_op
+from minifsdp.fsdp2.nest import map_tensors, tensors_in
 from minifsdp.fsdp2.param import FSDPParam, ShardedState
 
 __all__ = ["TrainingState", "FSDPParamGroup", "CommContext"]
@@ -81,7 +93,7 @@ class FSDPParamGroup:
 
     def __init__(self, params: list[nn.Parameter], users: dict[int, list[tuple[nn.Module, str]]],
                  group, comm, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
-                 replicate_group=None, post_forward_group=None):
+                 replicate_group=None, post_forward_group=None, mesh=None, placements: tuple = ()):
         self.group = group  # the shard group: all-gathers and reduce-scatters run over it
         self.replicate_group = replicate_group  # HSDP: the reduced shards are then averaged over it
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -89,7 +101,7 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy
         self.fsdp_params = [
             FSDPParam(p, users[id(p)], group, self.rank, self.world_size, mp_policy.param_dtype,
-                      mp_policy.reduce_dtype)
+                      mp_policy.reduce_dtype, mesh, placements)
             for p in params
         ]
         self.reshard_after_forward = reshard_after_forward
@@ -100,6 +112,15 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.comm_ctx: CommContext | None = None  # set by the root's lazy init
         self._post_forward_indices: list[int] = []
+        self._gathered: tuple[torch.Tensor, list[int]] | None = None  # an all-gather's output not yet copied out
+        holders = {id(m): m for p in self.fsdp_params for m, _ in p.users}
+        for module in holders.values():  # state_dict / load_state_dict see the sharded parameters
+            module.register_state_dict_pre_hook(self._reshard_hook)
+            module.register_load_state_dict_pre_hook(self._reshard_hook)
+
+    def _reshard_hook(self, *args, **kwargs) -> None:
+        if self.sharded_state is not ShardedState.SHARDED or self._gathered is not None:
+            self.reshard()
 
     # ---------------------------------------------------------------- data movement
     @property
@@ -107,8 +128,9 @@ class FSDPParamGroup:
         return self.sharded_state is ShardedState.UNSHARDED
 
     def unshard(self) -> None:
-        """All-gather every parameter of the group into its full buffer; install the full parameters."""
-        if self.is_unsharded:
+        """All-gather every parameter of the group (copy-in, one collective); keep the output for
+        :meth:`wait_for_unshard`.  A no-op when the group is unsharded or its gather already ran."""
+        if self.is_unsharded or self._gathered is not None:
             return
         group, world, rank = self.group, self.world_size, self.rank
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # gather the pieces from k ranks only
@@ -125,7 +147,14 @@ class FSDPParamGroup:
         torch.cat(inputs, out=mine)  # copy-in
         if world > 1:
             self.comm.all_gather(gathered, mine, group=group)
-        rows = gathered.view(world, total)
+        self._gathered = (gathered.view(world, total), numels)
+
+    def wait_for_unshard(self) -> None:
+        """Copy the gathered rows out into each parameter's full buffer and install the full parameters."""
+        if self._gathered is None:
+            return
+        rows, numels = self._gathered
+        self._gathered = None
         offset = 0
         for p, n in zip(self.fsdp_params, numels, strict=True):  # copy-out
             p.copy_out(rows, offset, n)
@@ -135,7 +164,9 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
-        """Install the sharded parameters again and free the full buffers (and any post-forward pieces)."""
+        """Install the sharded parameters again and free the full buffers (and any post-forward pieces or
+        gathered output not yet copied out)."""
+        self._gathered = None
         for p in self.fsdp_params:
             p.piece = None
             if self.is_unsharded:
@@ -189,6 +220,7 @@ class FSDPParamGroup:
         entering = self.training_state is not TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
         self.unshard()
+        self.wait_for_unshard()
         if entering and torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -208,6 +240,7 @@ class FSDPParamGroup:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()  # a no-op when the forward kept it, or when a prefetch already gathered it
+        self.wait_for_unshard()
         if self._post_forward_indices and self.comm_ctx is not None:
             index = self._post_forward_indices.pop()
             if index > 0 and implicit_prefetch:  # implicit prefetch: the group that ran forward just before this one
@@ -241,13 +274,11 @@ class FSDPParamGroup:
             self.post_backward()
         self.training_state = TrainingState.IDLE
         self._post_forward_indices.clear()
+        self._gathered = None  # a misprefetch: gathered for a backward that never came; the group stays sharded
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-        where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not where:  # e.g. token ids: the root's post-backward runs in the end-of-backward callback
+        grads = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not grads:  # e.g. token ids: the root's post-backward runs in the end-of-backward callback
             return args, kwargs
-        outs = _PostBackward.apply(self, *(leaves[i] for i in where))
-        for i, t in zip(where, outs, strict=True):
-            leaves[i] = t
-        return torch.utils._pytree.tree_unflatten(leaves, spec)
+        outs = iter(_PostBackward.apply(self, *grads))
+        return map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
