@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.optim.optimizer as torch_optimizer
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.common_fsdp import MLP
@@ -123,13 +122,13 @@ def parity(case: dict) -> dict:
             for block, following in zip(blocks[:-1], blocks[1:]):
                 block.set_modules_to_forward_prefetch([following])
             model.set_modules_to_backward_prefetch(blocks[::-1])
-        saved_op = ours_param_group.reduce_scatter_op
+        saved_op = ours_param_group.gradient_divide_factors
         if impl == "ours" and case.get("fault") == "no_divide":  # sum instead of average
-            ours_param_group.reduce_scatter_op = lambda n, dtype: ("sum", None, None)
+            ours_param_group.gradient_divide_factors = lambda *a, **k: (None, None, "sum", "sum")
         try:
             losses, collectives, loss_dtype = _train(model, case, rank, world)
         finally:
-            ours_param_group.reduce_scatter_op = saved_op
+            ours_param_group.gradient_divide_factors = saved_op
         result[impl] = {
             "class": type(model).__name__,
             "losses": losses,
@@ -169,7 +168,8 @@ def misuse() -> list[tuple[str, str, str]]:
     attempts = {
         "twice": lambda m: fully_shard(fully_shard(m)),
         "int not dividing": lambda m: fully_shard(m, reshard_after_forward=3),
-        "cpu offload": lambda m: fully_shard(m, offload_policy=CPUOffloadPolicy()),
+        "2-D mesh without names": lambda m: fully_shard(m, mesh=init_device_mesh("cpu", (1, dist.get_world_size()))),
+        "ModuleList": lambda m: fully_shard(m.blocks),
         "3-D mesh": lambda m: fully_shard(m, mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size()))),
     }
     out = []

@@ -268,12 +268,17 @@ def test_full_grads_are_freed_before_the_reduce_scatter(ranks2):
 
 
 def test_misuse_is_refused_with_a_reason(ranks2):
+    """torch's exception types and messages: re-applying (AssertionError, as torch's composable contract), an int
+    ``reshard_after_forward`` that does not divide the shard size, a 2-D mesh without dim names, a 3-D mesh, a
+    container without a forward."""
     said = {what: (kind, message) for what, kind, message in ranks2[0]["misuse"]}
-    assert len(said) == 5
-    assert said["twice"][0] == "ValueError" and "already applied" in said["twice"][1]
-    assert said["int not dividing"][0] == "ValueError" and "must divide the shard size 2" in said["int not dividing"][1]
-    assert said["cpu offload"][0] == "NotImplementedError" and "offload" in said["cpu offload"][1]
-    assert said["3-D mesh"][0] == "ValueError" and "1 or 2 dimensions" in said["3-D mesh"][1]
+    assert len(said) == 6
+    assert said["twice"][0] == "AssertionError" and "can only be applied to a module once" in said["twice"][1]
+    assert said["int not dividing"][0] == "ValueError" and "factor of 2, not 3" in said["int not dividing"][1]
+    no_names = said["2-D mesh without names"]
+    assert no_names[0] == "AssertionError" and "mesh_dim_names" in no_names[1]
+    assert said["3-D mesh"][0] == "ValueError" and "1D or 2D" in said["3-D mesh"][1]
+    assert said["ModuleList"][0] == "ValueError" and "do not implement forward" in said["ModuleList"][1]
     assert said["unshard(async_op=True)"] == ("Parameter", "(96, 32)")
 
 

@@ -10,13 +10,17 @@ and HSDP on a 2-D mesh.
     param.py            one sharded parameter: padded dim-0 rows under a torch DTensor (``Shard(0)``) label
     nest.py             the tensors inside inputs and outputs (tuples, dicts, namedtuples, dataclasses)
     param_group.py      the parameters of one call: one all-gather, one reduce-scatter, state enums
-    fully_shard.py      ``fully_shard(module)``: the hooks, ``FSDP<Orig>`` classes, unshard / reshard
-    mixed_precision.py  ``MixedPrecisionPolicy`` and the reduce-scatter's divide rule
+    state.py            one call's state and hooks; the root's lazy init and end of backward
+    api.py              ``FSDPModule``'s methods (unshard, reshard, the setters), ``register_fsdp_forward_method``
+    fully_shard.py      ``fully_shard(module or [modules])``: what it takes, checks and changes
+    mixed_precision.py  ``MixedPrecisionPolicy``, ``CPUOffloadPolicy`` and the gradient divide rule
 """
 
-from minifsdp.fsdp2.fully_shard import FSDPModule, fully_shard
-from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
+from minifsdp.fsdp2.api import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from minifsdp.fsdp2.fully_shard import fully_shard
+from minifsdp.fsdp2.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from minifsdp.fsdp2.param import ShardedState
 from minifsdp.fsdp2.param_group import TrainingState
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardedState", "TrainingState"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "MixedPrecisionPolicy",
+           "OffloadPolicy", "CPUOffloadPolicy", "ShardedState", "TrainingState"]

@@ -39,13 +39,23 @@ DTensor (every optimizer update) runs on the local rows alone, so the numbers ar
 Who moves the data stays ours: the all-gather into one buffer, the copy-out, the reduce-scatter
 (:mod:`minifsdp.fsdp2.param_group`); the DTensor never communicates on the training path.
 
+Another dim (``shard_placement_fn`` returning ``Shard(d)``, as torch's): every rank holds chunk r of ``torch.chunk``
+along dim d, copied into a contiguous tensor; torch requires d's size to divide evenly, so nothing is padded.  The
+all-gather still moves flat per-rank chunks; the copy-out concatenates them along d, and the reduce-scatter's
+input row r is the gradient's chunk r along d.
+
 Note (padding): padding rows are zeros in the padded storage, are gathered, and are cut off by the
 ``[:d0]`` view; gradients for them are reduced and dropped.  They waste ``N * c - d0`` rows per weight.
 
 Note (storage): the optimizer updates the DTensor's local rows in place, which are a view of the padded
-storage that the all-gather reads.  Whoever *replaces* the local tensor instead (``module.to_empty``,
-``load_state_dict(assign=True)``, ``param.data = ...``) breaks that link; :meth:`FSDPParam.reset_sharded_param`
-copies the new rows into the padded storage and re-points the view, as torch's ``reset_sharded_param``.
+storage that the all-gather reads.  Whoever *replaces* the local tensor instead (``module.to_empty`` after a
+meta-device init, ``model.to(torch.float64)``) breaks that link; at the root's first forward
+:meth:`FSDPParam.reset_sharded_param` adopts the new rows (padding them again if needed) and swaps them into the
+same parameter object (``torch.utils.swap_tensors``), so an optimizer made before still holds it, as torch's.
+
+Note (CPU offload): with ``CPUOffloadPolicy`` the padded storage, the sharded parameter and its gradient live on
+the CPU; the all-gather input is copied to the compute device and each reduced gradient back.  On a CPU-only
+machine both are the CPU, and the policy changes nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["ShardedState", "FSDPParam", "chunk_rows", "local_row_range", "contiguous_stride"]
+__all__ = ["ShardedState", "FSDPParam", "chunk_rows", "local_row_range", "contiguous_stride", "local_of"]
 
 
 class ShardedState(Enum):
@@ -108,18 +118,20 @@ def _alloc(tensor: torch.Tensor) -> None:
 
 
 class FSDPParam:
-    """One original parameter, sharded by rows: its padded local storage, its full buffer, its users.
+    """One original parameter, sharded by rows (or along ``shard_dim``): its padded local storage, its full
+    buffer, its users.
 
     ``users`` is every ``(module, attribute name)`` that holds the parameter (two for a tied weight);
     switching between sharded and unsharded re-registers the right parameter on each of them.
-    ``mesh`` / ``placements``: the DTensor label of the sharded parameter (``(Shard(0),)`` on a 1-D mesh,
-    ``(Replicate(), Shard(0))`` on HSDP's 2-D one).  With ``mesh=None`` (one process, no ranks: the exercises'
+    ``mesh`` / ``placements``: the DTensor label of the sharded parameter (``(Shard(d),)`` on a 1-D mesh,
+    ``(Replicate(), Shard(d))`` on HSDP's 2-D one).  With ``mesh=None`` (one process, no ranks: the exercises'
     reference) the sharded parameter is a plain ``nn.Parameter`` of the local rows.
     """
 
     def __init__(self, param: nn.Parameter, users: list[tuple[nn.Module, str]], group, rank: int,
                  world_size: int, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                 mesh=None, placements: tuple = (Shard(0),)):
+                 mesh=None, placements: tuple = (Shard(0),), offload_to_cpu: bool = False,
+                 device: torch.device | None = None):
         if param.dim() == 0:
             raise ValueError("fully_shard: 0-dim parameters cannot be sharded by rows; view them as (1,)")
         if isinstance(param, DTensor):
@@ -129,20 +141,32 @@ class FSDPParam:
             raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {tuple(param.shape)} "
                                       f"with strides {param.stride()}; pass param.contiguous() instead")
         self.users = users
+        # who the original parameter was, for refusing one weight sharded by two calls (a tag kept alive here, so
+        # unlike id(param) it is never reused by a later object)
+        self.orig_uid = param.__dict__.setdefault("_fsdp_orig_uid", object())
         self.group, self.rank, self.world_size = group, rank, world_size
         self.mesh, self.placements = mesh, tuple(placements)
+        self.shard_dim = placements[-1].dim if placements else 0
+        self.offload_to_cpu = offload_to_cpu
+        self.device = device or param.device  # where the all-gather and the compute run
         self.full_size = param.shape
         self.orig_dtype = param.dtype
+        self._mp = (param_dtype, reduce_dtype)
         self.init_dtypes(param_dtype, reduce_dtype)
-        d0, rest = param.shape[0], tuple(param.shape[1:])
-        self.padded_rows = chunk_rows(d0, world_size)
-        start, end = local_row_range(d0, world_size, rank)
+        d, size = self.shard_dim, param.shape[self.shard_dim]
+        if d != 0 and size % world_size != 0:
+            raise NotImplementedError(f"FSDP does not support uneven sharding on dim {d}: {tuple(param.shape)} "
+                                      f"(world size: {world_size})")
+        self.padded_rows = chunk_rows(size, world_size)  # along the shard dim
+        start, end = local_row_range(size, world_size, rank)
         self.local_rows = end - start
-        self.padded_local = param.new_zeros((self.padded_rows, *rest))  # padded storage, orig dtype
-        self.padded_local[: self.local_rows].copy_(param.detach()[start:end])
-        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(self.padded_local[: self.local_rows]),
+        self.padded_size = param.shape[:d] + (self.padded_rows,) + param.shape[d + 1:]
+        padded = param.new_zeros(self.padded_size, device="cpu" if offload_to_cpu else None)
+        padded.narrow(d, 0, self.local_rows).copy_(param.detach().narrow(d, start, self.local_rows))
+        self.padded_local = padded
+        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(padded.narrow(d, 0, self.local_rows)),
                                           requires_grad=param.requires_grad)
-        self.full_padded: torch.Tensor | None = None  # (N * c * prod(rest),) in param_dtype, lazily made
+        self.full_padded: torch.Tensor | None = None  # (N * padded numel,) in param_dtype, lazily made
         self.unsharded_param: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # in reduce_dtype, while grads are not synced
         self.piece: torch.Tensor | None = None  # SHARDED_POST_FORWARD: 1/k of the full buffer, param_dtype
@@ -164,8 +188,12 @@ class FSDPParam:
 
     @property
     def local_tensor(self) -> torch.Tensor:
-        """The sharded parameter's local rows (a view of :attr:`padded_local` unless replaced by a user)."""
+        """The sharded parameter's local rows (a view of :attr:`padded_local`)."""
         return local_of(self.sharded_param.detach())
+
+    @property
+    def local_size(self) -> torch.Size:
+        return self.padded_size[:self.shard_dim] + (self.local_rows,) + self.padded_size[self.shard_dim + 1:]
 
     @property
     def shard_numel(self) -> int:
@@ -177,56 +205,72 @@ class FSDPParam:
         return self.param_dtype or self.orig_dtype
 
     def reset_sharded_param(self) -> None:
-        """Re-link the sharded parameter to the padded storage after someone replaced its local tensor
-        (``to_empty``, ``param.data = ...``, ``load_state_dict(assign=True)``, ``model.to(dtype)``): take the
-        parameter the module holds now, copy its rows into a padded storage of its dtype and device, and make
-        its local tensor a view of that storage again.  A no-op when nothing was replaced."""
+        """At lazy init: adopt a local tensor someone put in place of ours (``to_empty``, ``model.to(dtype)``):
+        pad it again if needed, make it the storage the all-gather reads, and keep the same parameter object
+        (its contents swapped) so optimizers made before still hold it.  A no-op when nothing was replaced."""
         module, name = self.users[0]
         current = module._parameters.get(name)
         if current is None or current is self.unsharded_param:
             return
+        self.sharded_param = current
         local = local_of(current.detach())
-        if local.data_ptr() == self.padded_local.data_ptr() and local.dtype == self.padded_local.dtype \
-                and local.device == self.padded_local.device and current is self.sharded_param:
+        if local.is_meta or (local.untyped_storage().data_ptr() == self.padded_local.untyped_storage().data_ptr()
+                             and local.untyped_storage().data_ptr() != 0):
             return
-        if tuple(local.shape) != (self.local_rows, *self.full_size[1:]):
-            raise RuntimeError(f"fully_shard: {name} now holds a local tensor of shape {tuple(local.shape)}, "
-                               f"not this rank's rows {(self.local_rows, *self.full_size[1:])}")
-        padded = local.new_zeros((self.padded_rows, *self.full_size[1:]))
-        padded[: self.local_rows].copy_(local)
+        d = self.shard_dim
+        if tuple(local.shape) == tuple(self.padded_size):
+            padded = local  # nothing to pad: the new local tensor is the storage
+        else:
+            if tuple(local.shape) != tuple(self.local_size):
+                raise RuntimeError(f"fully_shard: {name} now holds local rows of shape {tuple(local.shape)}, not "
+                                   f"this rank's {tuple(self.local_size)}")
+            padded = local.new_zeros(self.padded_size)
+            padded.narrow(d, 0, self.local_rows).copy_(local)
+            fresh = nn.Parameter(self.to_sharded_dtensor(padded.narrow(d, 0, self.local_rows)), current.requires_grad)
+            torch.utils.swap_tensors(current, fresh)
         self.padded_local = padded
         self.orig_dtype = padded.dtype
-        requires_grad = current.requires_grad
-        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(padded[: self.local_rows]), requires_grad)
-        self.full_padded, self.unsharded_param = None, None  # re-made in the new dtype / device on next gather
+        self.init_dtypes(*self._mp)
+        self.full_padded, self.unsharded_param = None, None  # re-made in the new dtype / device at the next gather
         self._install(self.sharded_param)
 
     def all_gather_input(self) -> torch.Tensor:
-        """This rank's padded rows, flat, in the dtype the forward computes in."""
+        """This rank's padded chunk, flat, in the dtype the forward computes in, on the compute device."""
         flat = self.padded_local.view(-1)
+        if self.offload_to_cpu:
+            flat = flat.to(self.device)
         return flat if self.param_dtype is None else flat.to(self.param_dtype)
 
     def alloc_unsharded(self) -> torch.Tensor:
         """The full padded buffer with storage (made on first use, re-allocated after a free)."""
         if self.full_padded is None:
-            rest = tuple(self.full_size[1:])
             self.full_padded = torch.empty(self.world_size * self.shard_numel, dtype=self.unsharded_dtype,
-                                           device=self.padded_local.device)
-            full = self.full_padded.view(self.world_size * self.padded_rows, *rest)[: self.full_size[0]]
+                                           device=self.device)
+            if self.shard_dim == 0:
+                rest = tuple(self.full_size[1:])
+                full = self.full_padded.view(self.world_size * self.padded_rows, *rest)[: self.full_size[0]]
+            else:  # even chunks along another dim: the buffer holds the whole tensor in its natural layout
+                full = self.full_padded.view(self.full_size)
             self.unsharded_param = nn.Parameter(full, requires_grad=self.sharded_param.requires_grad)
         _alloc(self.full_padded)
         return self.full_padded
 
-    def copy_out(self, gathered: torch.Tensor, offset: int, numel: int | None = None) -> None:
+    def copy_out(self, gathered: torch.Tensor, offset: int, numel: int | None = None, flat: bool = False) -> None:
         """Copy this parameter's columns ``[offset, offset + numel)`` of every rank's gathered row
         (``gathered``: ``(P, total)``, P ranks) into the full buffer, rank after rank.  ``numel`` is one
-        rank's share: ``shard_numel`` (P = N), or a post-forward piece (P = k, see :meth:`keep_piece`)."""
+        rank's share: ``shard_numel`` (P = N), or a post-forward piece (P = k, ``flat``: pieces of the buffer
+        itself, see :meth:`keep_piece`).  Along another dim than 0, the N chunks are concatenated along it."""
         numel = self.shard_numel if numel is None else numel
         parts = gathered.shape[0]
         buf = self.alloc_unsharded()
+        columns = gathered[:, offset: offset + numel]
         # The same tensor is refilled every iteration: keep autograd's version check from seeing it.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            buf.view(parts, numel).copy_(gathered[:, offset: offset + numel])
+            if self.shard_dim == 0 or flat:
+                buf.view(parts, numel).copy_(columns)
+            else:
+                chunks = columns.reshape(parts, *self.padded_size).unbind(0)
+                torch.cat(chunks, dim=self.shard_dim, out=buf.view(self.full_size))
         self.piece = None
 
     def keep_piece(self, parts: int, index: int) -> None:
@@ -280,9 +324,17 @@ class FSDPParam:
             return
         self.accumulated_grad, p.grad = p.grad.to(self.reduce_dtype), None
 
+    def grad_chunks(self, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The full gradient cut into the N ranks' pieces (rows; the last ones short or missing for dim 0)."""
+        if self.shard_dim == 0:
+            return grad.split(self.padded_rows)
+        return grad.chunk(self.world_size, dim=self.shard_dim)
+
     def accumulate_sharded_grad(self, new_grad: torch.Tensor) -> None:
         """``new_grad``: this rank's reduced rows (unpadded, orig dtype); set ``.grad`` (a DTensor of them) or
         add them to the rows of the one already there (accumulation across optimizer-free iterations)."""
+        if self.offload_to_cpu:
+            new_grad = new_grad.to("cpu")
         grad = self.sharded_param.grad
         if grad is None:
             self.sharded_param.grad = self.to_sharded_dtensor(new_grad)
