@@ -163,6 +163,8 @@ class FSDPModule:
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """torch keeps that many reduce-scatter inputs in flight on its streams; here each is freed at once."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
 

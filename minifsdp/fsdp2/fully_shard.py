@@ -26,6 +26,9 @@ keeps its parameters from forward to backward (they would be gathered again at o
 an int k (dividing the shard size N) reshards to groups of k consecutive ranks after forward, so backward's
 all-gather stays inside k ranks (e.g. one node) at the cost of holding 1/k instead of 1/N in between.
 
+It also records ``"fully_shard"`` in torch's composable-API registry on the module, as torch's does, so that
+``replicate()`` applied around it leaves the sharded parameters alone.
+
 Checks, torch's: a container without a forward (``ModuleList``), a module already taken, a 2-D mesh without
 dim names, a non-contiguous or 0-dim parameter, a weight tied across two calls (at the first forward), and
 ``deepcopy`` of a sharded module are refused with torch's exception types.
@@ -44,6 +47,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -177,6 +181,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     FSDPState(modules, param_group, mp_policy, auto_reshard=reshard_after_forward is None)
     for m in modules:
         _swap_class(m)
+        # torch's composable APIs (replicate(), checkpoint()) learn from this registry that fully_shard owns the
+        # module: replicate() then leaves its parameters to us instead of all-reducing their gradients again
+        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = fully_shard
     return module
 
 

@@ -141,6 +141,7 @@ class FSDPParam:
             raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {tuple(param.shape)} "
                                       f"with strides {param.stride()}; pass param.contiguous() instead")
         self.users = users
+        self.fqn = users[0][1] if users else ""  # the full name under the root, set at lazy init
         # who the original parameter was, for refusing one weight sharded by two calls (a tag kept alive here, so
         # unlike id(param) it is never reused by a later object)
         self.orig_uid = param.__dict__.setdefault("_fsdp_orig_uid", object())
@@ -161,8 +162,10 @@ class FSDPParam:
         start, end = local_row_range(size, world_size, rank)
         self.local_rows = end - start
         self.padded_size = param.shape[:d] + (self.padded_rows,) + param.shape[d + 1:]
-        padded = param.new_zeros(self.padded_size, device="cpu" if offload_to_cpu else None)
+        padded = param.new_zeros(self.padded_size)
         padded.narrow(d, 0, self.local_rows).copy_(param.detach().narrow(d, start, self.local_rows))
+        if offload_to_cpu and not padded.is_meta:  # a meta parameter moves at its materialization
+            padded = padded.cpu()
         self.padded_local = padded
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(padded.narrow(d, 0, self.local_rows)),
                                           requires_grad=param.requires_grad)

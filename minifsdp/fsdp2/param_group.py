@@ -131,6 +131,7 @@ class FSDPParamGroup:
         self._gathered: tuple[torch.Tensor, list[int]] | None = None  # an all-gather's output not yet copied out
         self._partial_reduce_output: torch.Tensor | None = None  # HSDP shards waiting for their all-reduce
         self._lazy_inited = False
+        self.module_fqn = ""  # the modules' names under the root, set at lazy init
         holders = {id(m): m for p in self.fsdp_params for m, _ in p.users}
         for module in holders.values():  # state_dict / load_state_dict see the sharded parameters
             module.register_state_dict_pre_hook(self._reshard_hook)
@@ -145,7 +146,7 @@ class FSDPParamGroup:
             for p in self.fsdp_params:
                 p.reset_sharded_param()
             self._lazy_inited = True
-        on_meta = [p.users[0][1] for p in self.fsdp_params if p.padded_local.is_meta]
+        on_meta = [p.fqn for p in self.fsdp_params if p.padded_local.is_meta]
         if on_meta:
             raise RuntimeError("FSDP parameters should be materialized from meta device before training, but the "
                                f"following were still on meta device: {on_meta}\nFor example, call "

@@ -120,10 +120,24 @@ class FSDPState:
         if self.auto_reshard and self.param_group is not None:
             self.param_group.reshard_after_forward = False  # the root keeps its parameters for backward
             self.param_group.post_forward_group = None
+        self._init_fqns(states)
         self._validate_no_shared_params(states)
         for state in states:
             if state.param_group is not None:
                 state.param_group.lazy_init()
+
+    def _init_fqns(self, states: list["FSDPState"]) -> None:
+        """Names for messages and records: each parameter's and each group's modules' (``"norm, output"``)."""
+        root = self.modules[0]
+        param_names = {id(p): n for n, p in root.named_parameters()}
+        module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        for state in states:
+            group = state.param_group
+            if group is None:
+                continue
+            group.module_fqn = ", ".join(module_names.get(id(m), "?") for m in state.modules)
+            for p in group.fsdp_params:
+                p.fqn = param_names.get(id(p.sharded_param), p.users[0][1])
 
     def _validate_no_shared_params(self, states: list["FSDPState"]) -> None:
         """A weight tied across two calls was sharded twice (two copies that would drift apart): refuse it."""

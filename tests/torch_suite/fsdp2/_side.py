@@ -8,8 +8,10 @@ FSDP1 side.  Everything a case passes to ``fully_shard`` besides the module (``M
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from torch.testing._internal.common_fsdp import check_sharded_parity
 from torch.testing._internal.common_utils import TestCase
 
 import minifsdp.fsdp2 as ours
+import minifsdp.fsdp2.param_group as ours_group
 from tests.torch_suite import _harness as H
 from tests.torch_suite import _workers as W
 
@@ -114,3 +117,60 @@ def train_parity(ref, ref_optim, model, optim, inputs, iters: int, *, set_to_non
 
 def is_dtensor(p) -> bool:
     return isinstance(p, DTensor)
+
+
+@contextlib.contextmanager
+def record_events(api: Side2, events: list, kinds=("unshard", "reshard", "post_backward")):
+    """torch's event recorder for its own parameter groups, on this side's: ``(kind, module names, training state
+    name)`` for each unshard that is not a no-op, each reshard that is not a forward no-op, each post-backward."""
+    if api.ours:
+        cls = ours_group.FSDPParamGroup
+
+        def pending(g):
+            return g._gathered is None and g.sharded_state.name != "UNSHARDED"
+
+        def fqn(g):
+            return g.module_fqn
+
+        def state(g):
+            return g.training_state.name
+
+        def keeps(g):
+            return not g.reshard_after_forward
+    else:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup as cls
+
+        def pending(g):
+            return g._all_gather_result is None and g._sharded_state.name != "UNSHARDED"
+
+        def fqn(g):
+            return g._module_fqn
+
+        def state(g):
+            return g._training_state.name
+
+        def keeps(g):
+            return not g._reshard_after_forward
+    orig = {k: getattr(cls, k) for k in kinds}
+
+    def unshard(self, *a, **k):
+        if pending(self):
+            events.append(("unshard", fqn(self), state(self)))
+        return orig["unshard"](self, *a, **k)
+
+    def reshard(self, *a, **k):
+        if state(self) == "FORWARD" and keeps(self):
+            return None
+        events.append(("reshard", fqn(self), state(self)))
+        return orig["reshard"](self, *a, **k)
+
+    def post_backward(self, *a, **k):
+        out = orig["post_backward"](self, *a, **k)
+        events.append(("post_backward", fqn(self), state(self)))
+        return out
+
+    fns = {"unshard": unshard, "reshard": reshard, "post_backward": post_backward}
+    with contextlib.ExitStack() as stack:
+        for k in kinds:
+            stack.enter_context(mock.patch.object(cls, k, fns[k]))
+        yield events
