@@ -139,13 +139,14 @@ class FSDPModule:
         fsdp_state(self).backward_prefetch = [fsdp_state(m) for m in _all_fsdp(modules)]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        _set(self, True, gradient_divide_factor=factor)
+        """This module's group only (as torch's: not recursive)."""
+        _set(self, False, gradient_divide_factor=factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:  # torch's older name
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        _set(self, True, force_sum_reduction_for_comms=enable)
+        _set(self, False, force_sum_reduction_for_comms=enable)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         group = fsdp_state(self).param_group

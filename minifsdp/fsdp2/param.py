@@ -216,7 +216,9 @@ class FSDPParam:
         if current is None or current is self.unsharded_param:
             return
         self.sharded_param = current
-        local = local_of(current.detach())
+        # the raw local tensor, as torch's reset_sharded_param reads it: to_local() is an autograd op, and a first
+        # forward inside a functorch transform (torch.func.jvp) would hand back a wrapper with no storage
+        local = current._local_tensor if isinstance(current, DTensor) else current.data
         if local.is_meta or (local.untyped_storage().data_ptr() == self.padded_local.untyped_storage().data_ptr()
                              and local.untyped_storage().data_ptr() != 0):
             return

@@ -47,6 +47,7 @@ Note (collectives): ``comm`` is :func:`minifsdp.comm.get_collectives` -- ``"torc
 
 from __future__ import annotations
 
+import functools
 from enum import Enum, auto
 
 import torch
@@ -77,17 +78,41 @@ class CommContext:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on the module's inputs; its backward runs once the module's backward is done."""
+    """Identity on the module's inputs; its backward runs once the module's backward is done.
+
+    Written in the functorch style (``setup_context``, a ``jvp``), so that a forward inside ``torch.func.jvp``
+    passes the tangents through unchanged."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, group, *inputs):
-        ctx.group = group
+    def forward(group, *inputs):
         return inputs
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.group.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, group_tangent, *tangents):
+        return tangents
+
+
+def _outside_functorch(method):
+    """Run a data-moving method outside any functorch transform (``torch.func.jvp``, ``vmap``): its buffers are
+    FSDP's own, not tensors of the transformed function, and must keep real storages (as torch FSDP2 does)."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+    return run
 
 
 def _in_backward() -> bool:
@@ -158,6 +183,7 @@ class FSDPParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
 
+    @_outside_functorch
     def unshard(self) -> None:
         """All-gather every parameter of the group (copy-in, one collective); keep the output for
         :meth:`wait_for_unshard`.  A no-op when the group is unsharded or its gather already ran."""
@@ -181,6 +207,7 @@ class FSDPParamGroup:
             self.comm.all_gather(gathered, mine, group=group)
         self._gathered = (gathered.view(world, total), numels)
 
+    @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Copy the gathered rows out into each parameter's full buffer and install the full parameters."""
         if self._gathered is None:
@@ -196,6 +223,7 @@ class FSDPParamGroup:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
 
+    @_outside_functorch
     def reshard(self) -> None:
         """After a forward: reshard as ``reshard_after_forward`` says (not at all, to 1/k, to 1/N); otherwise
         install the sharded parameters again and free the full buffers, as torch's."""
@@ -208,7 +236,9 @@ class FSDPParamGroup:
         self._to_sharded()
 
     def _to_sharded(self) -> None:
-        self._gathered = None
+        """The sharded parameters on the modules, full buffers freed.  A gather issued by a prefetch and not yet
+        copied out stays pending (as torch's): the group's next pre-forward / pre-backward uses it; the end of the
+        step's last backward drops it (:meth:`finalize_backward`)."""
         for p in self.fsdp_params:
             p.piece = None
             if self.is_unsharded:

@@ -138,6 +138,16 @@ def case_param_registration_after_backward(api, groups, raf):
 
 
 def case_to_float64_after_init(api):
+    """torch runs this one under ``wrapSwapTensorsTest(True)``: ``module.to()`` swaps tensors in place."""
+    saved = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        _to_float64_after_init(api)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(saved)
+
+
+def _to_float64_after_init(api):
     torch.manual_seed(42)
     dim, dtype = 4, torch.float64
     model = MLP(dim)
