@@ -16,6 +16,12 @@ uneven shards, padding), ``reshard_after_forward=False``, gradient accumulation
 (``set_requires_gradient_sync(False)`` then True), bf16 ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``, explicit prefetching, frozen parameters, our ring collectives; world size 3 (odd widths,
 2 steps); HSDP on a 2x2 mesh at world size 4 (odd widths, 2 steps).  One spawn per world size.
+
+Results torch's own functions compute over the sharded parameters (each test here failed on a sharded parameter
+that was a plain ``nn.Parameter`` subclass instead of a DTensor, or on the code before the fix it names):
+``torch.nn.utils.clip_grad_norm_`` returns the global norm, a ``GradScaler`` sees an inf on another rank,
+``state_dict()`` after a forward that kept the full parameters holds the shards, AdamW's default picks its
+multi-tensor path; a misprefetched module is not left gathered with old weights; activations inside a dataclass.
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
 """Chapter 5: per-parameter sharding, FSDP2's design (``fully_shard``), built from scratch.
 
 FSDP1 (``minifsdp.fsdp``) flattens a unit's parameters into one flat parameter and shards that;
-FSDP2 shards every parameter on its own along dim 0 and keeps the original parameters.  Checked
-against torch's ``torch.distributed.fsdp.fully_shard`` on CPU gloo (tests/test_fsdp2.py): losses, every local
-shard, every full tensor and the order of the collectives equal bitwise, at 2, 3 and 4 ranks, with uneven
-shards, ``reshard_after_forward`` False / int, gradient accumulation, bf16 mixed precision, explicit prefetch
-and HSDP on a 2-D mesh.
+FSDP2 shards every parameter on its own along dim 0 and keeps the original parameters, each one a torch
+``DTensor`` (``Shard(0)`` on the device mesh) over this rank's rows, so torch's own functions (gradient
+clipping, the grad scaler, optimizers, ``state_dict`` and DCP) treat it as one piece of a whole, as they do
+torch's.  The sharding itself is ours: one all-gather per group into one buffer, copy-out, one reduce-scatter,
+the hooks and the prefetching.  Checked against torch's ``torch.distributed.fsdp.fully_shard`` on CPU gloo
+(tests/test_fsdp2.py): losses, every local shard, every full tensor and the order of the collectives equal
+bitwise, at 2, 3 and 4 ranks, with uneven shards, ``reshard_after_forward`` False / int, gradient
+accumulation, bf16 mixed precision, explicit prefetch and HSDP on a 2-D mesh; and by torch's own test matrices
+(tests/torch_suite/fsdp2, ``python -m minifsdp torch-suite``).
 
     param.py            one sharded parameter: padded dim-0 rows under a torch DTensor (``Shard(0)``) label
     nest.py             the tensors inside inputs and outputs (tuples, dicts, namedtuples, dataclasses)

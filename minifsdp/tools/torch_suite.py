@@ -57,10 +57,12 @@ def parse_junit(xml_text: str) -> list[dict]:
 
 def _summarize_one(records: list[dict]) -> dict:
     groups: dict = {}
+    not_counted = []
     for r in records:
         g = groups.setdefault(r["group"], {"passed": 0, "total": 0, "torch_fails": 0, "failures": []})
         if r["outcome"] == "skipped":
             g["torch_fails"] += 1
+            not_counted.append((r["group"], r["case"], r["message"].split(" on CPU: ", 1)[-1]))
             continue
         g["total"] += 1
         if r["outcome"] == "passed":
@@ -68,12 +70,13 @@ def _summarize_one(records: list[dict]) -> dict:
         else:
             g["failures"].append((r["case"], ("[xfail] " if r["outcome"] == "xfailed" else "") + r["message"]))
     overall = {k: sum(g[k] for g in groups.values()) for k in ("passed", "total", "torch_fails")}
-    return {"groups": groups, "overall": overall}
+    return {"groups": groups, "overall": overall, "not_counted": not_counted}
 
 
 def summarize(records: list[dict]) -> dict:
     """FSDP1's ``{"groups": {group: {"passed", "total", "torch_fails", "failures": [(case, first line)]}},
-    "overall"}``, and the same for FSDP2 under ``"fsdp2"`` when its port ran."""
+    "overall", "not_counted": [(group, case, torch's error)]}``, and the same for FSDP2 under ``"fsdp2"`` when its
+    port ran."""
     out = _summarize_one([r for r in records if r.get("suite", "fsdp1") == "fsdp1"])
     fsdp2 = [r for r in records if r.get("suite") == "fsdp2"]
     if fsdp2:
@@ -81,27 +84,29 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
-def _table(summary: dict) -> list[str]:
+def _section(summary: dict, who: str) -> list[str]:
+    """The table, then each failing case (``FAILED group case: first line``), then what torch itself fails on
+    this CPU (two spaces in front: the lines the committed table's check counts)."""
     lines = [f"{'group':<22}{'passed / total':>16}   torch fails on CPU (not counted)"]
     for name, g in sorted(summary["groups"].items()):
         lines.append(f"{name:<22}{g['passed']:>7} / {g['total']:<6}   {g['torch_fails']}")
     o = summary["overall"]
     lines.append(f"{'overall':<22}{o['passed']:>7} / {o['total']:<6}   {o['torch_fails']}")
+    for name, g in sorted(summary["groups"].items()):
+        for case, msg in g["failures"]:
+            lines.append(f"FAILED {name} {case}: {msg}")
+    if summary.get("not_counted"):
+        lines += ["", f"not counted: the cases {who} itself fails on this CPU-only machine "
+                      "(first line of torch's error)"]
+        lines += [f"  {group} {case}: {msg}" for group, case, msg in summary["not_counted"]]
     return lines
 
 
 def format_table(summary: dict) -> str:
-    """FSDP1's table and the cases it does not count or fails, then FSDP2's (headed ``FSDP2 (fully_shard)``)."""
-    lines = _table(summary) if summary["groups"] else []
-    for name, g in sorted(summary["groups"].items()):
-        for case, msg in g["failures"]:
-            lines.append(f"  {name} {case}: {msg}")
+    """FSDP1's section, then FSDP2's (headed ``FSDP2 (fully_shard)``) when its port ran."""
+    lines = _section(summary, "torch FSDP1") if summary["groups"] else []
     if "fsdp2" in summary:
-        two = summary["fsdp2"]
-        lines += ["", FSDP2_HEADER] + _table(two)
-        for name, g in sorted(two["groups"].items()):
-            for case, msg in g["failures"]:
-                lines.append(f"  {name} {case}: {msg}")
+        lines += ["", FSDP2_HEADER] + _section(summary["fsdp2"], "torch's fully_shard")
     return "\n".join(lines)
 
 
