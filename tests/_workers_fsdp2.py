@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import weakref
 from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.optim.optimizer as torch_optimizer
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.testing._internal.common_fsdp import MLP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import minifsdp.fsdp2.param_group as ours_param_group
 from minifsdp.comm.collectives import TorchCollectives
@@ -118,13 +122,13 @@ def parity(case: dict) -> dict:
             for block, following in zip(blocks[:-1], blocks[1:]):
                 block.set_modules_to_forward_prefetch([following])
             model.set_modules_to_backward_prefetch(blocks[::-1])
-        saved_op = ours_param_group.reduce_scatter_op
+        saved_op = ours_param_group.gradient_divide_factors
         if impl == "ours" and case.get("fault") == "no_divide":  # sum instead of average
-            ours_param_group.reduce_scatter_op = lambda n, dtype: ("sum", None, None)
+            ours_param_group.gradient_divide_factors = lambda *a, **k: (None, None, "sum", "sum")
         try:
             losses, collectives, loss_dtype = _train(model, case, rank, world)
         finally:
-            ours_param_group.reduce_scatter_op = saved_op
+            ours_param_group.gradient_divide_factors = saved_op
         result[impl] = {
             "class": type(model).__name__,
             "losses": losses,
@@ -164,7 +168,8 @@ def misuse() -> list[tuple[str, str, str]]:
     attempts = {
         "twice": lambda m: fully_shard(fully_shard(m)),
         "int not dividing": lambda m: fully_shard(m, reshard_after_forward=3),
-        "cpu offload": lambda m: fully_shard(m, offload_policy=CPUOffloadPolicy()),
+        "2-D mesh without names": lambda m: fully_shard(m, mesh=init_device_mesh("cpu", (1, dist.get_world_size()))),
+        "ModuleList": lambda m: fully_shard(m.blocks),
         "3-D mesh": lambda m: fully_shard(m, mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size()))),
     }
     out = []
@@ -216,12 +221,183 @@ def grads_freed_before_reduce_scatter(fault: str | None = None) -> dict:
     return report
 
 
+# ---------------------------------------------------------------- results torch's own functions compute
+def _local_of(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _whole(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _batch(cfg, step=0):
+    return CharCorpus(vocab_size=cfg.vocab_size).batch(step, batch_size=2, block_size=cfg.block_size,
+                                                       rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten calls made while active (top level: a DTensor's own local calls are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _clip_grad_norm(impl, mesh, cfg) -> dict:
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)`` after one backward: the norm it returns (the whole
+    of it) and the clipped local gradients.  Over sharded parameters the norm must be the global one."""
+    model = _shard(TinyGPT(cfg, seed=0), impl, {}, mesh)
+    x, y = _batch(cfg)
+    model(x, y).backward()
+    local_sq = sum(_local_of(p.grad).pow(2).sum() for p in model.parameters() if p.grad is not None)
+    dist.all_reduce(local_sq)  # the global norm by hand: every rank's squares, summed
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    return {"norm": _whole(norm).clone(), "by_hand": local_sq.sqrt(), "local_norm_type": type(norm).__name__,
+            "grads": {n: _local_of(p.grad).clone() for n, p in model.named_parameters()}}
+
+
+def _grad_scaler_inf_on_last_rank(impl, mesh, cfg) -> dict:
+    """``torch.amp.GradScaler``: an inf in one gradient on the last rank only.  Every rank must skip the step
+    (parameters unchanged) and back the scale off; a rank that saw no inf and stepped would leave the ranks apart."""
+    model = _shard(TinyGPT(cfg, seed=0), impl, {}, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x, y = _batch(cfg)
+    scaler.scale(model(x, y)).backward()
+    if dist.get_rank() == dist.get_world_size() - 1:
+        _local_of(model.tok_emb.weight.grad)[0, 0] = float("inf")
+    before = _locals(model)
+    scaler.step(opt)
+    scaler.update()
+    after = _locals(model)
+    return {"scale": scaler.get_scale(), "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+
+
+def _state_dict_after_forward(impl, mesh, cfg) -> dict:
+    """``reshard_after_forward=False``: ``state_dict()`` right after a forward (the full parameters are on the
+    modules) must hold the sharded values, as between steps; the backward and a step after it still train."""
+    model = _shard(TinyGPT(cfg, seed=0), impl, {"reshard_after_forward": False}, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batch(cfg)
+    loss = model(x, y)
+    sd = model.state_dict()
+    kinds = {k: (type(v).__name__, tuple(v.shape), tuple(_local_of(v).shape)) for k, v in sd.items()}
+    loss.backward()
+    opt.step()
+    return {"state_dict": kinds, "locals": _locals(model)}
+
+
+def _adamw_default_path(impl, mesh, cfg) -> dict:
+    """Which AdamW path the default (``foreach=None``) picks over the sharded parameters on a device where the
+    multi-tensor kernels exist (the CPU is declared one here, so this machine can ask), and the aten calls
+    of one step taken that way: torch picks ``foreach`` only if ``type(p)`` is exactly Tensor, Parameter or DTensor."""
+    model = _shard(TinyGPT(cfg, seed=0), impl, {}, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batch(cfg)
+    model(x, y).backward()
+    with mock.patch.object(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"]):
+        _, foreach = torch_optimizer._default_to_fused_or_foreach(list(model.parameters()), False, False)
+        with _CountOps() as counter:
+            opt.step()
+    foreach_calls = sum("._foreach_" in c for c in counter.calls)
+    return {"foreach": foreach, "calls": len(counter.calls), "foreach_calls": foreach_calls,
+            "locals": _locals(model)}
+
+
+def _misprefetch(impl, mesh, cfg) -> dict:
+    """torch's misprefetch case: ``in_proj`` asked to prefetch ``out_proj`` in backward, after ``out_proj``'s
+    backward already ran.  The prefetched gather must be dropped, not installed: 3 Adam steps, losses and shards."""
+    torch.manual_seed(42)
+    model = MLP(16)
+    shard = fully_shard if impl == "ours" else functools.partial(torch_fully_shard, mesh=mesh)
+    shard(model.in_proj)
+    shard(model.out_proj)
+    shard(model)
+    model.in_proj.set_modules_to_backward_prefetch([model.out_proj])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(dist.get_rank() + 1)
+    inp = torch.randn(2, 16)
+    losses = []
+    for _ in range(3):
+        loss = model(inp).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "locals": {n: _local_of(p).detach().clone() for n, p in model.named_parameters()}}
+
+
+@dataclasses.dataclass
+class Carried:
+    """Activations a block hands on inside a dataclass (torch's pytree does not look into it)."""
+
+    h: torch.Tensor
+    scale: float = 1.0
+
+
+class _DataclassBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, c: Carried) -> Carried:
+        return Carried(torch.relu(self.lin(c.h)) * c.scale, c.scale)
+
+
+def _dataclass_activations(impl, mesh, cfg) -> dict:
+    """Blocks that take and return a dataclass: the hooks must find the tensors inside (2 SGD steps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_DataclassBlock(8) for _ in range(3)))
+    shard = fully_shard if impl == "ours" else functools.partial(torch_fully_shard, mesh=mesh)
+    for block in model:
+        shard(block)
+    shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    torch.manual_seed(dist.get_rank() + 1)
+    losses = []
+    for _ in range(2):
+        out = model(Carried(torch.randn(4, 8, requires_grad=True)))
+        out.h.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.h.sum().item())
+    return {"losses": losses, "locals": _locals(model)}
+
+
+SILENT = {"clip_grad_norm": _clip_grad_norm, "grad_scaler": _grad_scaler_inf_on_last_rank,
+          "state_dict_after_forward": _state_dict_after_forward, "adamw_default_path": _adamw_default_path,
+          "misprefetch": _misprefetch, "dataclass_activations": _dataclass_activations}
+
+
+def silent_results(names: list[str]) -> dict:
+    """For each check in ``names``: ``{"torch": ..., "ours": ...}`` (an error is returned as its text)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cfg = GPTConfig(**{"vocab_size": 95, "n_embd": 33, "n_head": 3})
+    out = {}
+    for name in names:
+        out[name] = {}
+        for impl in ("torch", "ours"):
+            torch.manual_seed(0)
+            try:
+                out[name][impl] = SILENT[name](impl, mesh, cfg)
+            except Exception as e:  # noqa: BLE001 -- the test reports it
+                out[name][impl] = f"{type(e).__name__}: {e}"
+            dist.barrier()
+    return out
+
+
 def parity_cases(cases: dict[str, dict]) -> dict[str, dict]:
     """Several :func:`parity` cases in one spawn (one mesh, one process start): name -> result."""
     out = {}
     for name, case in cases.items():
         torch.manual_seed(0)
-        if "frees" in case:
+        if "silent" in case:
+            out[name] = silent_results(case["silent"])
+        elif "frees" in case:
             out[name] = grads_freed_before_reduce_scatter(case["frees"])
         else:
             out[name] = misuse() if case.get("misuse") else parity(case)

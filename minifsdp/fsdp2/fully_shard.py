@@ -1,4 +1,4 @@
-"""Chapter 5: ``fully_shard(module)``, FSDP2's per-module API, and the hooks that drive it.
+"""Chapter 5: ``fully_shard(module)``, FSDP2's per-module API: what one call takes, checks and changes.
 
 Usage, as torch's (bottom-up: each block, then the root)::
 
@@ -7,229 +7,57 @@ Usage, as torch's (bottom-up: each block, then the root)::
     fully_shard(model)
     loss = model(x, y); loss.backward(); opt.step()
 
-What one call does to ``module``:
+What one call does to ``module`` (or to each module of a list, ``fully_shard([norm, head])``, one group for all):
 
-1. takes the parameters of ``module`` that no earlier ``fully_shard`` call took (a tied weight once,
-   with every ``(module, name)`` that holds it) and makes a :class:`~minifsdp.fsdp2.param_group.FSDPParamGroup`:
-   each parameter replaced by a :class:`~minifsdp.fsdp2.param.ShardedParameter` of this rank's rows.
-   Buffers stay as they are (replicated); frozen parameters are sharded and gathered but get no gradient.
-2. hooks: forward pre-hook (all-gather, cast inputs, put an autograd identity on the inputs whose backward
-   is the post-backward), forward hook (reshard if ``reshard_after_forward``; a tensor hook on the outputs
-   whose call is the pre-backward), and, queued by the first pre-backward, an end-of-backward callback on
-   the root (post-backward for groups autograd never reached, such as the root whose inputs are token ids).
-3. changes the module's class to ``FSDP<Orig>`` (a subclass made once per class, with :class:`FSDPModule`
-   first in its bases), exactly as torch does, so ``model.unshard()``, ``model.reshard()`` and
-   ``model.set_requires_gradient_sync(False)`` exist on the module itself and ``isinstance(model, Orig)`` holds.
+1. takes the parameters of the module(s) that no earlier ``fully_shard`` call took (a tied weight once, with
+   every ``(module, name)`` that holds it; ``ignored_params`` left alone), in torch's order (submodules before
+   their parent), and makes one :class:`~minifsdp.fsdp2.param_group.FSDPParamGroup`: each parameter replaced by
+   an ``nn.Parameter`` wrapping a torch ``DTensor`` whose local tensor is this rank's rows (see
+   :mod:`minifsdp.fsdp2.param`; ``shard_placement_fn`` may pick another dim).  Buffers stay as they are
+   (replicated); frozen parameters are sharded and gathered but get no gradient.
+2. attaches an :class:`~minifsdp.fsdp2.state.FSDPState` and its forward hooks (the state's docstring says what
+   runs when).
+3. changes the module's class to ``FSDP<Orig>`` (a subclass made once per class, with
+   :class:`~minifsdp.fsdp2.api.FSDPModule` first in its bases), exactly as torch does, so ``model.unshard()`` and
+   the setters exist on the module itself and ``isinstance(model, Orig)`` holds.
 
 ``reshard_after_forward``: ``None`` (torch's default) means True for every module except the root, which
 keeps its parameters from forward to backward (they would be gathered again at once); True / False as given;
 an int k (dividing the shard size N) reshards to groups of k consecutive ranks after forward, so backward's
 all-gather stays inside k ranks (e.g. one node) at the cost of holding 1/k instead of 1/N in between.
 
-How ours differs from torch's, on purpose: the sharded parameters are ``nn.Parameter`` subclasses, not
-DTensors (see :mod:`minifsdp.fsdp2.param`: local ``.shape``, local ``state_dict()`` values); ``mesh`` may be
-None (the world), a 1-D ``DeviceMesh``, a process group, or a 2-D ``DeviceMesh`` ``(replicate, shard)`` for
-HSDP.  Everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with),
-so the collectives are issued in torch's order but never overlap compute.  Prefetching: the implicit
-backward prefetch of the previous group, and the explicit ``set_modules_to_forward_prefetch`` /
-``set_modules_to_backward_prefetch``, issue gathers in torch's order (on one thread a prefetch only moves a
-gather earlier).  Not built: ``offload_policy`` other than none, a list of modules in one call,
-``ignored_params``, ``shard_placement_fn`` (only dim 0).  The extra keyword ``collectives`` picks torch's
-collectives (default, bitwise parity) or our ring (``"ring"``).
+It also records ``"fully_shard"`` in torch's composable-API registry on the module, as torch's does, so that
+``replicate()`` applied around it leaves the sharded parameters alone.
+
+Checks, torch's: a container without a forward (``ModuleList``), a module already taken, a 2-D mesh without
+dim names, a non-contiguous or 0-dim parameter, a weight tied across two calls (at the first forward), and
+``deepcopy`` of a sharded module are refused with torch's exception types.
+
+How ours differs from torch's, on purpose: ``mesh`` may also be a process group (made a 1-D mesh over its
+ranks); everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with), so
+the collectives are issued in torch's order but never overlap compute, and a prefetch only moves a gather
+earlier.  The extra keyword ``collectives`` picks torch's collectives (default, bitwise parity) or our ring
+(``"ring"``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.distributed._composable.contract import REGISTRY_KEY
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifsdp.comm import get_collectives
-from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, cast_floating
-from minifsdp.fsdp2.param import ShardedParameter
-from minifsdp.fsdp2.param_group import CommContext, FSDPParamGroup, TrainingState
+from minifsdp.fsdp2.api import FSDPModule
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
+from minifsdp.fsdp2.param_group import FSDPParamGroup
+from minifsdp.fsdp2.state import FSDPState, fsdp_state
 
 __all__ = ["fully_shard", "FSDPModule", "FSDPState", "fsdp_state"]
-
-_STATE_ATTR = "_minifsdp_fsdp2_state"
-
-
-def fsdp_state(module: nn.Module) -> "FSDPState | None":
-    """The state ``fully_shard`` attached to ``module``, or None."""
-    return module.__dict__.get(_STATE_ATTR)
-
-
-class _RootContext:
-    """What the root shares with every state below it, made at the root's first forward."""
-
-    def __init__(self, states: list["FSDPState"]):
-        self.all_states = states
-        self.comm = CommContext()
-        self.callback_queued = False
-        self.iter_forward_root: FSDPState | None = None
-
-
-class FSDPState:
-    """Per ``fully_shard`` call: the module, its group (None if it took no parameter), its hooks' logic."""
-
-    def __init__(self, module: nn.Module, group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy,
-                 auto_reshard: bool):
-        self.module = module
-        self.param_group = group
-        self.mp_policy = mp_policy
-        self.auto_reshard = auto_reshard
-        self.is_root: bool | None = None
-        self.ctx: _RootContext | None = None
-        self.training_state = TrainingState.IDLE
-        self.forward_prefetch: list[FSDPState] = []  # set_modules_to_forward_prefetch
-        self.backward_prefetch: list[FSDPState] = []  # set_modules_to_backward_prefetch
-
-    # ---------------------------------------------------------------- root
-    def _lazy_init(self) -> None:
-        if self.is_root is not None:
-            return
-        self.is_root = True
-        states = []
-        for sub in self.module.modules():
-            state = fsdp_state(sub)
-            if state is None:
-                continue
-            if state is not self:
-                if state.is_root is not None:
-                    raise RuntimeError("fully_shard: run the forward through the root module first")
-                state.is_root = False
-            states.append(state)
-        ctx = _RootContext(states)
-        for state in states:
-            state.ctx = ctx
-            if state.param_group is not None:
-                state.param_group.comm_ctx = ctx.comm
-        if self.auto_reshard and self.param_group is not None:
-            self.param_group.reshard_after_forward = False  # the root keeps its parameters for backward
-
-    # ---------------------------------------------------------------- hooks
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.training_state is TrainingState.PRE_BACKWARD:  # a recomputation inside backward
-            if self.param_group is not None:
-                self.param_group.unshard()
-            return self._cast_inputs(args, kwargs)
-        first_in_pass = self.training_state is not TrainingState.FORWARD
-        self.training_state = TrainingState.FORWARD
-        self._lazy_init()
-        if self.ctx.iter_forward_root is None:
-            self.ctx.iter_forward_root = self
-        args, kwargs = self._cast_inputs(args, kwargs)
-        if self.param_group is not None:
-            args, kwargs = self.param_group.pre_forward(args, kwargs)
-        if first_in_pass:  # explicit forward prefetch: gather the listed modules now, before they run
-            for target in self.forward_prefetch:
-                if target.param_group is not None:
-                    target.param_group.unshard()
-        return args, kwargs
-
-    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            return cast_floating(output, self.mp_policy.output_dtype)
-        if self.param_group is not None:
-            self.param_group.post_forward()
-        if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
-        self.training_state = TrainingState.IDLE
-        if self.ctx.iter_forward_root is self:
-            self.ctx.iter_forward_root = None
-        return cast_floating(output, self.mp_policy.output_dtype)
-
-    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not (self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype):
-            return args, kwargs
-        return cast_floating(args, self.mp_policy.param_dtype), cast_floating(kwargs, self.mp_policy.param_dtype)
-
-    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        self.training_state = TrainingState.PRE_BACKWARD
-        ctx = self.ctx
-        if not ctx.callback_queued:
-            ctx.callback_queued = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-        if self.param_group is not None:
-            self.param_group.pre_backward(implicit_prefetch=not self.backward_prefetch)
-        for target in self.backward_prefetch:  # explicit: these instead of the previous group
-            if target.param_group is not None:
-                target.param_group.unshard()
-        return grad
-
-    def _end_of_backward(self) -> None:
-        ctx = self.ctx
-        for state in ctx.all_states:
-            if state.param_group is not None:
-                state.param_group.finish_backward()
-            state.training_state = TrainingState.IDLE
-        ctx.comm.post_forward_order.clear()
-        ctx.iter_forward_root = None
-        ctx.callback_queued = False
-
-
-class _DoneHandle:
-    """What ``unshard(async_op=True)`` returns: the gather already happened."""
-
-    def wait(self) -> None:
-        return None
-
-
-class FSDPModule:
-    """Mixed into a sharded module's class (``FSDP<Orig>``): the methods torch's ``FSDPModule`` offers."""
-
-    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
-        modules = self.modules() if recurse else [self]
-        return [s for m in modules if (s := fsdp_state(m)) is not None]
-
-    def unshard(self, async_op: bool = False) -> "_DoneHandle | None":
-        """All-gather this module's parameters now (they stay gathered until :meth:`reshard`).
-
-        Always synchronous here; with ``async_op=True`` it returns a handle whose ``wait()`` does nothing,
-        so code written for torch's ``handle = m.unshard(async_op=True); handle.wait()`` runs unchanged."""
-        group = fsdp_state(self).param_group
-        if group is not None:
-            group.unshard()
-        return _DoneHandle() if async_op else None
-
-    def reshard(self) -> None:
-        """Free this module's full parameters; the modules hold the sharded ones again."""
-        group = fsdp_state(self).param_group
-        if group is not None:
-            group.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward keeps full gradients on each rank unreduced (accumulation); True: reduce-scatter."""
-        for s in self._fsdp_states(recurse):
-            if s.param_group is not None:
-                s.param_group.reduce_grads = requires_gradient_sync
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        for s in self._fsdp_states(recurse):
-            if s.param_group is not None:
-                s.param_group.reshard_after_backward = reshard_after_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
-        """In this module's pre-forward, after its own all-gather, all-gather these modules' parameters too."""
-        fsdp_state(self).forward_prefetch = [fsdp_state(m) for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
-        """In this module's pre-backward, all-gather these modules' parameters (replaces the implicit
-        prefetch of the module whose forward ran just before this one)."""
-        fsdp_state(self).backward_prefetch = [fsdp_state(m) for m in modules]
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        for s in self._fsdp_states(recurse):
-            s.auto_reshard = False
-            if s.param_group is not None:
-                s.param_group.reshard_after_forward = reshard_after_forward
-
 
 _FSDP_CLASSES: dict[type, type] = {}
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so safe as a shared default
@@ -246,53 +74,66 @@ def _swap_class(module: nn.Module) -> None:
     module.__class__ = new_cls
 
 
-def _resolve_groups(mesh):
-    """``(shard group, replicate group or None)``: None -> the world; a 1-D ``DeviceMesh`` or a process group
-    -> shard over it; a 2-D ``DeviceMesh`` -> HSDP, dim 0 replicates and dim 1 shards (torch's convention)."""
-    if mesh is None:
-        return dist.group.WORLD, None
-    if hasattr(mesh, "get_group"):  # a torch DeviceMesh
-        if mesh.ndim == 1:
-            return mesh.get_group(), None
-        if mesh.ndim == 2:
-            return mesh.get_group(1), mesh.get_group(0)
-        raise ValueError(f"fully_shard: a mesh of 1 or 2 dimensions, not {mesh.ndim}")
-    return mesh, None  # a process group
+def _resolve_mesh(mesh, modules: tuple[nn.Module, ...]) -> tuple[DeviceMesh, object, object]:
+    """``(device mesh, shard group, replicate group or None)``.
+
+    ``mesh``: None -> the world; a 1-D ``DeviceMesh`` or a process group -> shard over it; a 2-D ``DeviceMesh``
+    -> HSDP, dim 0 replicates and dim 1 shards (torch's convention).  A process group becomes a 1-D mesh over its
+    ranks (``DeviceMesh.from_group``: no new group is made)."""
+    if mesh is None or not isinstance(mesh, DeviceMesh):
+        tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+        device_type = next((t.device.type for t in tensors if t.device.type != "meta"), "cpu")
+        mesh = DeviceMesh.from_group(dist.group.WORLD if mesh is None else mesh, device_type)
+    if mesh.ndim == 1:
+        return mesh, mesh.get_group(0), None
+    if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
+        return mesh, mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
 
 
-def _post_forward(reshard_after_forward, mesh, group):
+def _post_forward(reshard_after_forward, mesh: DeviceMesh, group):
     """Resolve an int ``reshard_after_forward=k`` as torch does: 1 -> False, N -> True, otherwise True with a
     group of k consecutive ranks (the mesh's ranks laid out as rows of k) to reshard to after forward."""
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         return reshard_after_forward, None
-    k, n = int(reshard_after_forward), dist.get_world_size(group)
+    if not isinstance(reshard_after_forward, int):
+        raise ValueError("reshard_after_forward should be a bool or an int representing the group size to reshard "
+                         f"to, not {reshard_after_forward}")
+    k, n = reshard_after_forward, dist.get_world_size(group)
     if k < 1 or k > n or n % k != 0:
-        raise ValueError(f"fully_shard: an int reshard_after_forward must divide the shard size {n}, not {k}")
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {n}, not {k}")
     if k in (1, n):
         return k == n, None
-    if hasattr(mesh, "mesh"):  # a DeviceMesh: every rank knows the whole layout
-        layout = mesh.mesh.view(-1, k).tolist()
-    elif mesh is None:
-        layout = torch.arange(dist.get_world_size()).view(-1, k).tolist()
-    else:
-        raise NotImplementedError("fully_shard: an int reshard_after_forward needs mesh=None or a DeviceMesh")
-    mine, _ = dist.new_subgroups_by_enumeration(layout)  # every rank creates every row's group, same order
+    mine, _ = dist.new_subgroups_by_enumeration(mesh.mesh.view(-1, k).tolist())  # every rank makes every row's
     return True, mine
 
 
-def _managed_params(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, list[tuple[nn.Module, str]]]]:
-    """Parameters of ``module`` and its submodules not already taken by a nested ``fully_shard``,
-    each once, in ``named_modules`` order, with every (module, name) that holds it."""
-    managed, stack = [], [module]
-    while stack:
-        m = stack.pop(0)
+def _managed_params(modules: tuple[nn.Module, ...], ignored: set[int]):
+    """Parameters of ``modules`` and their submodules not already taken by a nested ``fully_shard``, each
+    once, in torch's order (depth first, a module after its children), with every (module, name) holding it."""
+    managed, visited = [], set()
+
+    def visit(m: nn.Module) -> None:
+        if m not in modules and fsdp_state(m) is not None:
+            return  # a nested fully_shard took it
+        visited.add(m)
+        for child in m.children():
+            if child not in visited:
+                visit(child)
         managed.append(m)
-        stack[:0] = [c for c in m.children() if fsdp_state(c) is None]
+
+    for m in modules:
+        visit(m)
     params, users = [], {}
     for m in managed:
         for name, p in m._parameters.items():
-            if p is None or isinstance(p, ShardedParameter):
+            if p is None or id(p) in ignored or isinstance(p, DTensor):  # a DTensor: sharded by a nested call
                 continue
+            if p.dim() == 0:
+                raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} to a 1D tensor with "
+                                 "numel equal to 1.")
             if id(p) not in users:
                 params.append(p)
                 users[id(p)] = []
@@ -300,28 +141,50 @@ def _managed_params(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, li
     return params, users
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
-                mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION, offload_policy=None,
-                collectives: str = "torch") -> nn.Module:
-    """Shard ``module``'s parameters by rows over ``mesh`` (default: the world) and return ``module``.
+def _placement(param: nn.Parameter, shard_placement_fn) -> Shard:
+    placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    if placement is None:
+        return Shard(0)
+    if not isinstance(placement, Shard):
+        raise NotImplementedError(f"fully_shard: shard_placement_fn returned {placement}; a Shard(dim) or None")
+    return Shard(placement.dim + param.ndim) if placement.dim < 0 else placement
 
-    Call it on each block first, then on the root.  See the module docstring for what it does and how
-    it differs from ``torch.distributed.fsdp.fully_shard``.
-    """
-    if fsdp_state(module) is not None:
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise NotImplementedError("fully_shard: CPU offloading (CPUOffloadPolicy) is not built here")
-    group, replicate_group = _resolve_groups(mesh)
-    reshard_after_forward, post_forward_group = _post_forward(reshard_after_forward, mesh, group)
-    params, users = _managed_params(module)
+
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: Callable | None = None, mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+                offload_policy=None, ignored_params: set | None = None, collectives: str = "torch"):
+    """Shard the parameters of ``module`` (or of a list of modules, one group) over ``mesh`` (default: the world)
+    and return it.  Call it on each block first, then on the root.  See the module docstring for what it does
+    and how it differs from ``torch.distributed.fsdp.fully_shard``."""
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(f"fully_shard does not support containers that do not implement forward: {m}")
+        if fsdp_state(m) is not None:
+            raise AssertionError("Each distinct composable distributed API can only be applied to a module once. "
+                                 f"fully_shard has already been applied to the following module:\n{m}")
+    device_mesh, group, replicate_group = _resolve_mesh(mesh, modules)
+    reshard_after_forward, post_forward_group = _post_forward(reshard_after_forward, device_mesh, group)
+    offload = offload_policy is not None and hasattr(offload_policy, "pin_memory")  # a CPUOffloadPolicy
+    device = torch.device("cpu") if device_mesh.device_type == "cpu" else \
+        torch.device(device_mesh.device_type, torch.get_device_module(device_mesh.device_type).current_device())
+    if offload and offload_policy.pin_memory:
+        torch.empty(1).pin_memory()  # as torch's: pinning needs an accelerator, and says so if there is none
+    params, users = _managed_params(modules, {id(p) for p in ignored_params or ()})
     param_group = None
     if params:
-        param_group = FSDPParamGroup(params, users, group, get_collectives(collectives), mp_policy,
-                                     reshard_after_forward is not False, replicate_group, post_forward_group)
-    state = FSDPState(module, param_group, mp_policy, auto_reshard=reshard_after_forward is None)
-    module.__dict__[_STATE_ATTR] = state
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
-    _swap_class(module)
+        dims = [_placement(p, shard_placement_fn) for p in params]
+        placements = [(Shard(d.dim),) if replicate_group is None else (Replicate(), Shard(d.dim)) for d in dims]
+        param_group = FSDPParamGroup(params, users, modules, group, get_collectives(collectives), mp_policy,
+                                     reshard_after_forward is not False, replicate_group, post_forward_group,
+                                     device_mesh, placements, offload, device)
+    FSDPState(modules, param_group, mp_policy, auto_reshard=reshard_after_forward is None)
+    for m in modules:
+        _swap_class(m)
+        # torch's composable APIs (replicate(), checkpoint()) learn from this registry that fully_shard owns the
+        # module: replicate() then leaves its parameters to us instead of all-reducing their gradients again
+        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = fully_shard
     return module
+
+
+fully_shard.state = fsdp_state  # torch's ``fully_shard.state(module)``: the state a call attached

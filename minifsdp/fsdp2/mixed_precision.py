@@ -1,4 +1,4 @@
-"""Chapter 5: ``MixedPrecisionPolicy``, FSDP2's mixed precision, and the casts it implies.
+"""Chapter 5: ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``, FSDP2's per-call policies, and the gradient divide.
 
 Mirrors torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` field by field:
 
@@ -14,21 +14,27 @@ Compared with FSDP1's ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`
 ``buffer_dtype`` (FSDP2 leaves buffers alone), and the policy is per ``fully_shard`` call, so each
 block may have its own.
 
+``OffloadPolicy()`` (the default: nothing offloaded) and ``CPUOffloadPolicy(pin_memory=True)`` mirror torch's:
+with the latter the sharded parameters, their gradients and so the optimizer state stay in CPU memory, and each
+all-gather input is copied to the compute device (see :mod:`minifsdp.fsdp2.param`).
+
 Note (the divide): with N ranks the reduce-scatter averages.  For fp32 and bf16 torch asks the
 collective for ``AVG`` (one division inside the collective); for fp16 it divides by about sqrt(N)
 before and by the rest after a ``SUM``, to keep small gradients from underflowing and large sums from
-overflowing.  :func:`reduce_scatter_op` says which, and ours follows it so results match bitwise.
+overflowing.  :func:`gradient_divide_factors` says which, also for a factor the user sets
+(``set_gradient_divide_factor``) and for sums only (``set_force_sum_reduction_for_comms``), and ours follows
+torch's rule so results match bitwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
-__all__ = ["MixedPrecisionPolicy", "cast_floating", "reduce_scatter_op"]
+from minifsdp.fsdp.core.strategy import predivide_factor
+
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "gradient_divide_factors"]
 
 
 @dataclass(frozen=True)
@@ -41,28 +47,37 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
-def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
-    """Every floating-point tensor in a nest of tuples/lists/dicts cast to ``dtype`` (others untouched)."""
-    if dtype is None:
-        return tree
-
-    def cast(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
+@dataclass
+class OffloadPolicy:
+    """No offloading (torch's default policy object)."""
 
 
-def reduce_scatter_op(world_size: int, reduce_dtype: torch.dtype) -> tuple[str, float | None, float | None]:
-    """``(op, divide_before, divide_after)`` for averaging gradients over ``world_size`` ranks, as torch's.
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Sharded parameters, gradients and optimizer state in CPU memory; ``pin_memory`` as torch's (it needs an
+    accelerator: on a CPU-only machine torch refuses ``pin_memory=True``, and so does ours)."""
 
-    fp32/bf16: ``("avg", None, None)`` (``("sum", None, None)`` at one rank).
-    fp16: a ``"sum"`` with the factor N split into a power of two before and the rest after.
+    pin_memory: bool = True
+
+
+def gradient_divide_factors(shard_size: int, replicate_size: int, reduce_dtype: torch.dtype,
+                            factor: float | None = None, force_sum: bool = False):
+    """``(divide before, divide after, reduce-scatter op, all-reduce op)``, torch FSDP2's rule.
+
+    fp32/bf16 without a factor: ``avg`` in both collectives (``sum`` at one rank in all); with a factor f: the
+    reduce-scatter ``avg`` if f is the shard size, else ``("premul_sum", 1/f)``, the all-reduce ``sum``.  fp16 (or
+    sums forced): ``sum`` in both, f (default: every data-parallel rank) split into a power of two before and
+    the rest after, for fp16; all of it after, when only the sums were forced.
     """
-    if reduce_dtype in (torch.float32, torch.bfloat16):
-        return ("sum" if world_size == 1 else "avg"), None, None
-    pre = 1
-    while world_size % pre == 0 and world_size / pre > pre:
-        pre *= 2
-    return "sum", float(pre), world_size / pre
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    dp_size = shard_size * replicate_size
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            return (None, None, "sum", "sum") if dp_size == 1 else (None, None, "avg", "avg")
+        rs_op = "avg" if factor == shard_size else ("premul_sum", 1.0 / factor)
+        return None, None, rs_op, "sum"
+    factor = float(dp_size) if factor is None else factor
+    if overflow_risk:
+        pre = predivide_factor(factor)  # torch FSDP1's power of two, which torch FSDP2 reuses
+        return pre, factor / pre, "sum", "sum"
+    return None, factor, "sum", "sum"

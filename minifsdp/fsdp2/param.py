@@ -1,4 +1,4 @@
-"""Chapter 5: one sharded parameter (FSDP2's ``FSDPParam``), dim-0 rows per rank.
+"""Chapter 5: one sharded parameter (FSDP2's ``FSDPParam``), dim-0 rows per rank, labelled as a torch DTensor.
 
 FSDP1 flattens a unit's parameters into one flat vector and shards the vector; a rank's shard may
 start in the middle of one weight and end in the middle of another.  FSDP2 shards *each* parameter
@@ -17,38 +17,57 @@ The collectives need equal sizes on every rank, so each rank keeps a *padded* st
 
 Two parameters per original weight:
 
-* ``sharded_param`` -- a :class:`ShardedParameter`, this rank's rows (shape ``(rows_r, *rest)``); it is
-  what ``named_parameters()`` and the optimizer see between iterations, and where ``.grad`` lands.
-* ``unsharded_param`` -- an ``nn.Parameter`` of the full shape (in ``param_dtype`` under mixed precision),
-  a view of a padded buffer of ``N * c`` rows filled by the all-gather's copy-out; installed on the
-  module for forward and backward, its storage freed (resized to 0 bytes) when resharded.  It is made
-  once, so autograd's saved tensors see the refilled data after a re-gather in backward.
+* ``sharded_param`` -- what ``named_parameters()``, the optimizer and ``state_dict()`` see between
+  iterations, and where ``.grad`` lands: an ``nn.Parameter`` wrapping a torch ``DTensor`` with placement
+  ``Shard(0)`` on the device mesh (HSDP: ``(Replicate(), Shard(0))`` on the 2-D mesh), as torch's.  Its
+  ``.shape`` is the whole weight's; ``to_local()`` is this rank's rows, a view of the padded storage;
+  ``full_tensor()`` gathers the whole.
+* ``unsharded_param`` -- a plain ``nn.Parameter`` of the full shape (in ``param_dtype`` under mixed
+  precision), a view of a padded buffer of ``N * c`` rows filled by the all-gather's copy-out; installed
+  on the module for forward and backward, its storage freed (resized to 0 bytes) when resharded.  It is
+  made once, so autograd's saved tensors see the refilled data after a re-gather in backward.
 
-How ours differs from torch: torch's sharded parameter is a ``DTensor`` (``Shard(0)`` placement on a
-device mesh), with the full DTensor algebra behind it.  Ours is a plain ``nn.Parameter`` subclass that
-holds the local rows and adds the two DTensor methods a user needs, ``to_local()`` (this rank's rows, a
-plain tensor sharing storage) and ``full_tensor()`` (all ranks' rows gathered, a collective).  Math on it
-gives plain tensors of the local shape; it carries no placement algebra.  Two consequences a user meets:
-``p.shape`` is the local shape (a DTensor's is the global one), and anything that reduces over a parameter
-sees only this rank's rows -- ``torch.nn.utils.clip_grad_norm_`` over our parameters computes each rank's
-*local* norm (over DTensors it reduces over the mesh), so clip with a global norm: the sum of every rank's
-squared local norms, all-reduced.  ``state_dict()`` holds the local rows under the original names.
+Why a DTensor, when every collective here is ours: the DTensor is the *label* that tells torch's own
+functions the tensor is one piece of a whole.  Over plain local tensors, ``torch.nn.utils.clip_grad_norm_``
+returns each rank's local norm and clips each rank by a different factor; a ``GradScaler`` checks only this
+rank's gradients for an inf; ``state_dict()`` values do not say where their rows sit; and an optimizer
+whose multi-tensor (``foreach``) path requires ``type(p)`` to be exactly ``Tensor``, ``Parameter`` or
+``DTensor`` falls back to one loop per parameter.  Over DTensors, torch's sharding propagation does the right
+thing in each case: the norm's partial sums are all-reduced over the mesh, the scaler's found-inf flag too,
+DCP reads each rank's chunk from the placement, and ``foreach`` applies.  Pointwise math on a ``Shard(0)``
+DTensor (every optimizer update) runs on the local rows alone, so the numbers are those of plain tensors.
+Who moves the data stays ours: the all-gather into one buffer, the copy-out, the reduce-scatter
+(:mod:`minifsdp.fsdp2.param_group`); the DTensor never communicates on the training path.
+
+Another dim (``shard_placement_fn`` returning ``Shard(d)``, as torch's): every rank holds chunk r of ``torch.chunk``
+along dim d, copied into a contiguous tensor; torch requires d's size to divide evenly, so nothing is padded.  The
+all-gather still moves flat per-rank chunks; the copy-out concatenates them along d, and the reduce-scatter's
+input row r is the gradient's chunk r along d.
 
 Note (padding): padding rows are zeros in the padded storage, are gathered, and are cut off by the
 ``[:d0]`` view; gradients for them are reduced and dropped.  They waste ``N * c - d0`` rows per weight.
+
+Note (storage): the optimizer updates the DTensor's local rows in place, which are a view of the padded
+storage that the all-gather reads.  Whoever *replaces* the local tensor instead (``module.to_empty`` after a
+meta-device init, ``model.to(torch.float64)``) breaks that link; at the root's first forward
+:meth:`FSDPParam.reset_sharded_param` adopts the new rows (padding them again if needed) and swaps them into the
+same parameter object (``torch.utils.swap_tensors``), so an optimizer made before still holds it, as torch's.
+
+Note (CPU offload): with ``CPUOffloadPolicy`` the padded storage, the sharded parameter and its gradient live on
+the CPU; the all-gather input is copied to the compute device and each reduced gradient back.  On a CPU-only
+machine both are the CPU, and the policy changes nothing.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["ShardedState", "ShardedParameter", "ShardSpec", "FSDPParam", "chunk_rows", "local_row_range"]
+__all__ = ["ShardedState", "FSDPParam", "chunk_rows", "local_row_range", "contiguous_stride", "local_of"]
 
 
 class ShardedState(Enum):
@@ -71,54 +90,18 @@ def local_row_range(d0: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + c, d0)
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """What a :class:`ShardedParameter` knows about the whole it came from."""
-
-    full_size: torch.Size
-    group: object  # the process group it is sharded over
-    world_size: int
-    rank: int
-    padded_rows: int  # c = ceil(d0 / N)
+def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size`` (what a DTensor's global metadata records)."""
+    stride, acc = [], 1
+    for n in reversed(size):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
 
 
-class ShardedParameter(nn.Parameter):
-    """This rank's dim-0 rows of a parameter, as an ``nn.Parameter`` (torch's is a ``DTensor``).
-
-    Shape ``(rows_r, *rest)`` with ``rows_r`` this rank's unpadded row count.
-    """
-
-    _spec: ShardSpec
-
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True, spec: ShardSpec | None = None):
-        self = torch.Tensor._make_subclass(cls, data, requires_grad)
-        self._spec = spec
-        return self
-
-    def to_local(self) -> torch.Tensor:
-        """This rank's rows, a plain tensor sharing this parameter's storage (as ``DTensor.to_local()``)."""
-        return self.detach()
-
-    def full_tensor(self) -> torch.Tensor:
-        """The whole parameter, gathered from every rank (a collective: call it on all ranks)."""
-        spec = self._spec
-        padded = self.new_zeros((spec.padded_rows, *spec.full_size[1:]))
-        padded[: self.shape[0]].copy_(self.detach())
-        out = self.new_empty((spec.world_size * spec.padded_rows, *spec.full_size[1:]))
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, padded, group=spec.group)
-        return out[: spec.full_size[0]].clone()
-
-    def __repr__(self) -> str:
-        return f"ShardedParameter(local {tuple(self.shape)} of {tuple(self._spec.full_size)}, rank {self._spec.rank})"
-
-    def __deepcopy__(self, memo):  # the copy keeps its spec (the process group is shared, not copied)
-        out = ShardedParameter(self.detach().clone(), self.requires_grad, self._spec)
-        memo[id(self)] = out
-        return out
-
-    def __reduce_ex__(self, proto):  # pickles as a plain Parameter of the local rows (a process group cannot)
-        return (nn.Parameter, (self.detach().clone(), self.requires_grad))
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local rows (a view), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -135,37 +118,85 @@ def _alloc(tensor: torch.Tensor) -> None:
 
 
 class FSDPParam:
-    """One original parameter, sharded by rows: its padded local storage, its full buffer, its users.
+    """One original parameter, sharded by rows (or along ``shard_dim``): its padded local storage, its full
+    buffer, its users.
 
     ``users`` is every ``(module, attribute name)`` that holds the parameter (two for a tied weight);
     switching between sharded and unsharded re-registers the right parameter on each of them.
+    ``mesh`` / ``placements``: the DTensor label of the sharded parameter (``(Shard(d),)`` on a 1-D mesh,
+    ``(Replicate(), Shard(d))`` on HSDP's 2-D one).  With ``mesh=None`` (one process, no ranks: the exercises'
+    reference) the sharded parameter is a plain ``nn.Parameter`` of the local rows.
     """
 
     def __init__(self, param: nn.Parameter, users: list[tuple[nn.Module, str]], group, rank: int,
-                 world_size: int, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+                 world_size: int, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                 mesh=None, placements: tuple = (Shard(0),), offload_to_cpu: bool = False,
+                 device: torch.device | None = None):
         if param.dim() == 0:
             raise ValueError("fully_shard: 0-dim parameters cannot be sharded by rows; view them as (1,)")
+        if isinstance(param, DTensor):
+            raise NotImplementedError("fully_shard: the parameter is already a DTensor (torch's tensor parallel); "
+                                      "minifsdp.parallel's tensor parallel gives plain tensors that fully_shard takes")
+        if not param.is_contiguous():
+            raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: {tuple(param.shape)} "
+                                      f"with strides {param.stride()}; pass param.contiguous() instead")
         self.users = users
+        self.fqn = users[0][1] if users else ""  # the full name under the root, set at lazy init
+        # who the original parameter was, for refusing one weight sharded by two calls (a tag kept alive here, so
+        # unlike id(param) it is never reused by a later object)
+        self.orig_uid = param.__dict__.setdefault("_fsdp_orig_uid", object())
         self.group, self.rank, self.world_size = group, rank, world_size
+        self.mesh, self.placements = mesh, tuple(placements)
+        self.shard_dim = placements[-1].dim if placements else 0
+        self.offload_to_cpu = offload_to_cpu
+        self.device = device or param.device  # where the all-gather and the compute run
         self.full_size = param.shape
         self.orig_dtype = param.dtype
-        # Mixed precision is clamped as torch's: no cast when it would change nothing.
-        self.param_dtype = None if param_dtype in (None, param.dtype) or not param.dtype.is_floating_point \
-            else param_dtype
-        self.reduce_dtype = None if reduce_dtype == (self.param_dtype or param.dtype) else reduce_dtype
-        d0, rest = param.shape[0], tuple(param.shape[1:])
-        self.padded_rows = chunk_rows(d0, world_size)
-        start, end = local_row_range(d0, world_size, rank)
+        self._mp = (param_dtype, reduce_dtype)
+        self.init_dtypes(param_dtype, reduce_dtype)
+        d, size = self.shard_dim, param.shape[self.shard_dim]
+        if d != 0 and size % world_size != 0:
+            raise NotImplementedError(f"FSDP does not support uneven sharding on dim {d}: {tuple(param.shape)} "
+                                      f"(world size: {world_size})")
+        self.padded_rows = chunk_rows(size, world_size)  # along the shard dim
+        start, end = local_row_range(size, world_size, rank)
         self.local_rows = end - start
-        self.padded_local = param.new_zeros((self.padded_rows, *rest))  # padded storage, orig dtype
-        self.padded_local[: self.local_rows].copy_(param.detach()[start:end])
-        spec = ShardSpec(param.shape, group, world_size, rank, self.padded_rows)
-        self.sharded_param = ShardedParameter(self.padded_local[: self.local_rows], param.requires_grad, spec)
-        self.full_padded: torch.Tensor | None = None  # (N * c * prod(rest),) in param_dtype, lazily made
+        self.padded_size = param.shape[:d] + (self.padded_rows,) + param.shape[d + 1:]
+        padded = param.new_zeros(self.padded_size)
+        padded.narrow(d, 0, self.local_rows).copy_(param.detach().narrow(d, start, self.local_rows))
+        if offload_to_cpu and not padded.is_meta:  # a meta parameter moves at its materialization
+            padded = padded.cpu()
+        self.padded_local = padded
+        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(padded.narrow(d, 0, self.local_rows)),
+                                          requires_grad=param.requires_grad)
+        self.full_padded: torch.Tensor | None = None  # (N * padded numel,) in param_dtype, lazily made
         self.unsharded_param: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # in reduce_dtype, while grads are not synced
         self.piece: torch.Tensor | None = None  # SHARDED_POST_FORWARD: 1/k of the full buffer, param_dtype
         self.to_sharded()
+
+    def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+        """Mixed precision clamped as torch's: no cast when it would change nothing."""
+        self.param_dtype = None if param_dtype in (None, self.orig_dtype) or not self.orig_dtype.is_floating_point \
+            else param_dtype
+        self.reduce_dtype = None if reduce_dtype == (self.param_dtype or self.orig_dtype) else reduce_dtype
+
+    def to_sharded_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (a parameter's or a gradient's) labelled with the mesh and placement: no copy,
+        no communication (``DTensor.from_local`` with the global shape given, so no check runs)."""
+        if self.mesh is None:
+            return local
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.full_size,
+                                  stride=contiguous_stride(self.full_size))
+
+    @property
+    def local_tensor(self) -> torch.Tensor:
+        """The sharded parameter's local rows (a view of :attr:`padded_local`)."""
+        return local_of(self.sharded_param.detach())
+
+    @property
+    def local_size(self) -> torch.Size:
+        return self.padded_size[:self.shard_dim] + (self.local_rows,) + self.padded_size[self.shard_dim + 1:]
 
     @property
     def shard_numel(self) -> int:
@@ -176,32 +207,75 @@ class FSDPParam:
     def unsharded_dtype(self) -> torch.dtype:
         return self.param_dtype or self.orig_dtype
 
+    def reset_sharded_param(self) -> None:
+        """At lazy init: adopt a local tensor someone put in place of ours (``to_empty``, ``model.to(dtype)``):
+        pad it again if needed, make it the storage the all-gather reads, and keep the same parameter object
+        (its contents swapped) so optimizers made before still hold it.  A no-op when nothing was replaced."""
+        module, name = self.users[0]
+        current = module._parameters.get(name)
+        if current is None or current is self.unsharded_param:
+            return
+        self.sharded_param = current
+        # the raw local tensor, as torch's reset_sharded_param reads it: to_local() is an autograd op, and a first
+        # forward inside a functorch transform (torch.func.jvp) would hand back a wrapper with no storage
+        local = current._local_tensor if isinstance(current, DTensor) else current.data
+        if local.is_meta or (local.untyped_storage().data_ptr() == self.padded_local.untyped_storage().data_ptr()
+                             and local.untyped_storage().data_ptr() != 0):
+            return
+        d = self.shard_dim
+        if tuple(local.shape) == tuple(self.padded_size):
+            padded = local  # nothing to pad: the new local tensor is the storage
+        else:
+            if tuple(local.shape) != tuple(self.local_size):
+                raise RuntimeError(f"fully_shard: {name} now holds local rows of shape {tuple(local.shape)}, not "
+                                   f"this rank's {tuple(self.local_size)}")
+            padded = local.new_zeros(self.padded_size)
+            padded.narrow(d, 0, self.local_rows).copy_(local)
+            fresh = nn.Parameter(self.to_sharded_dtensor(padded.narrow(d, 0, self.local_rows)), current.requires_grad)
+            torch.utils.swap_tensors(current, fresh)
+        self.padded_local = padded
+        self.orig_dtype = padded.dtype
+        self.init_dtypes(*self._mp)
+        self.full_padded, self.unsharded_param = None, None  # re-made in the new dtype / device at the next gather
+        self._install(self.sharded_param)
+
     def all_gather_input(self) -> torch.Tensor:
-        """This rank's padded rows, flat, in the dtype the forward computes in."""
+        """This rank's padded chunk, flat, in the dtype the forward computes in, on the compute device."""
         flat = self.padded_local.view(-1)
+        if self.offload_to_cpu:
+            flat = flat.to(self.device)
         return flat if self.param_dtype is None else flat.to(self.param_dtype)
 
     def alloc_unsharded(self) -> torch.Tensor:
         """The full padded buffer with storage (made on first use, re-allocated after a free)."""
         if self.full_padded is None:
-            rest = tuple(self.full_size[1:])
             self.full_padded = torch.empty(self.world_size * self.shard_numel, dtype=self.unsharded_dtype,
-                                           device=self.padded_local.device)
-            full = self.full_padded.view(self.world_size * self.padded_rows, *rest)[: self.full_size[0]]
+                                           device=self.device)
+            if self.shard_dim == 0:
+                rest = tuple(self.full_size[1:])
+                full = self.full_padded.view(self.world_size * self.padded_rows, *rest)[: self.full_size[0]]
+            else:  # even chunks along another dim: the buffer holds the whole tensor in its natural layout
+                full = self.full_padded.view(self.full_size)
             self.unsharded_param = nn.Parameter(full, requires_grad=self.sharded_param.requires_grad)
         _alloc(self.full_padded)
         return self.full_padded
 
-    def copy_out(self, gathered: torch.Tensor, offset: int, numel: int | None = None) -> None:
+    def copy_out(self, gathered: torch.Tensor, offset: int, numel: int | None = None, flat: bool = False) -> None:
         """Copy this parameter's columns ``[offset, offset + numel)`` of every rank's gathered row
         (``gathered``: ``(P, total)``, P ranks) into the full buffer, rank after rank.  ``numel`` is one
-        rank's share: ``shard_numel`` (P = N), or a post-forward piece (P = k, see :meth:`keep_piece`)."""
+        rank's share: ``shard_numel`` (P = N), or a post-forward piece (P = k, ``flat``: pieces of the buffer
+        itself, see :meth:`keep_piece`).  Along another dim than 0, the N chunks are concatenated along it."""
         numel = self.shard_numel if numel is None else numel
         parts = gathered.shape[0]
         buf = self.alloc_unsharded()
+        columns = gathered[:, offset: offset + numel]
         # The same tensor is refilled every iteration: keep autograd's version check from seeing it.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            buf.view(parts, numel).copy_(gathered[:, offset: offset + numel])
+            if self.shard_dim == 0 or flat:
+                buf.view(parts, numel).copy_(columns)
+            else:
+                chunks = columns.reshape(parts, *self.padded_size).unbind(0)
+                torch.cat(chunks, dim=self.shard_dim, out=buf.view(self.full_size))
         self.piece = None
 
     def keep_piece(self, parts: int, index: int) -> None:
@@ -224,6 +298,8 @@ class FSDPParam:
         self.free_unsharded()
 
     def to_unsharded(self) -> None:
+        if self.unsharded_param.requires_grad != self.sharded_param.requires_grad:  # frozen or unfrozen since
+            self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
         self._install(self.unsharded_param)
 
     # ---------------------------------------------------------------- gradients
@@ -253,9 +329,19 @@ class FSDPParam:
             return
         self.accumulated_grad, p.grad = p.grad.to(self.reduce_dtype), None
 
+    def grad_chunks(self, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The full gradient cut into the N ranks' pieces (rows; the last ones short or missing for dim 0)."""
+        if self.shard_dim == 0:
+            return grad.split(self.padded_rows)
+        return grad.chunk(self.world_size, dim=self.shard_dim)
+
     def accumulate_sharded_grad(self, new_grad: torch.Tensor) -> None:
-        """``new_grad``: this rank's reduced rows (unpadded, orig dtype); add to or set ``.grad``."""
-        if self.sharded_param.grad is None:
-            self.sharded_param.grad = new_grad
+        """``new_grad``: this rank's reduced rows (unpadded, orig dtype); set ``.grad`` (a DTensor of them) or
+        add them to the rows of the one already there (accumulation across optimizer-free iterations)."""
+        if self.offload_to_cpu:
+            new_grad = new_grad.to("cpu")
+        grad = self.sharded_param.grad
+        if grad is None:
+            self.sharded_param.grad = self.to_sharded_dtensor(new_grad)
         else:
-            self.sharded_param.grad += new_grad
+            local_of(grad).add_(new_grad)

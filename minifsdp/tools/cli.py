@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--link-ms", type=float, default=0.0,
                          help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
 
-    p_ts = sub.add_parser("torch-suite", help="run the port of torch's FSDP1 tests, a table per group")
-    p_ts.add_argument("--group", default=None, help="one group (core, grad_acc, clip_grad_norm, ...); default all")
+    p_ts = sub.add_parser("torch-suite", help="run the ports of torch's FSDP1 and FSDP2 tests, a table per group")
+    p_ts.add_argument("--suite", choices=("fsdp1", "fsdp2", "all"), default="all",
+                      help="fsdp1: FullyShardedDataParallel's port; fsdp2: fully_shard's; default both")
+    p_ts.add_argument("--group", default=None, help="one group of the suite (core, grad_acc, training, ...)")
     p_ts.add_argument("--fast", action="store_true", help="only the CI slice (cases marked fast)")
     p_ts.add_argument("--json", default="out/torch_suite.json", help="where to write the results ('' for none)")
 

@@ -90,7 +90,7 @@ def _torch_fsdp_params(module: nn.Module) -> list:
 def fsdp2_padding(modules: list[nn.Module], impl: str) -> tuple[int, int]:
     """(padding elements in this rank's shards, padding elements in one all-gather of all of them).
 
-    Read from the real objects: ours ``FSDPParam.padded_local`` vs ``sharded_param``; torch's
+    Read from the real objects: ours ``FSDPParam.padded_local`` vs ``sharded_param.to_local()``; torch's
     ``FSDPParam._sharded_param_data`` (its padded 1-D storage) vs ``sharded_param.to_local()``.
     """
     mine = gathered = 0
@@ -98,7 +98,7 @@ def fsdp2_padding(modules: list[nn.Module], impl: str) -> tuple[int, int]:
         if impl == "ours":
             state = fsdp_state(m)
             params = [] if state is None or state.param_group is None else state.param_group.fsdp_params
-            pairs = [(p.padded_local.numel(), p.sharded_param.numel(), p.world_size, p.full_size) for p in params]
+            pairs = [(p.padded_local.numel(), p.local_tensor.numel(), p.world_size, p.full_size) for p in params]
         else:
             params = _torch_fsdp_params(m)
             pairs = [(p._sharded_param_data.numel(), p.sharded_param.to_local().numel(),
@@ -122,7 +122,7 @@ def fsdp1_padding(model: nn.Module, world_size: int, rank: int) -> tuple[int, in
 
 
 def local_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Each parameter's local shape on this rank (ours: ``p.shape``; torch's DTensor: ``to_local().shape``)."""
+    """Each parameter's local shape on this rank (a DTensor's ``to_local().shape``, ours' and torch's alike)."""
     return {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
             for n, p in model.named_parameters()}
 

@@ -26,7 +26,7 @@ def _param(t: torch.Tensor, rank: int, n: int) -> FSDPParam:
 
 def _reference_shard_rows(t, rank, n):
     p = _param(t, rank, n)
-    return p.padded_local, p.sharded_param.to_local()
+    return p.padded_local, p.local_tensor
 
 
 def _reference_copy_out(gathered, shapes):
