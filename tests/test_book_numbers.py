@@ -10,7 +10,9 @@ or the whole fenced block) whose figures come from a notebook, on the line just 
 Every decimal number in the block (``1982.4``, ``1.03x``, ``49.8%``, ``169,088``: a figure with a
 decimal point, a thousands separator or an ``x``/``%`` suffix) must appear among the numbers that the
 named cells printed in the committed notebook.  Plain small integers ("2 ranks", "step 3") are prose,
-not measurements, and are not checked.  Commas are ignored on both sides (``169,088`` = ``169088``).
+not measurements, and are not checked, except in a block that quotes no other figure (a table of
+counts): there every whole number of two or more digits is checked.  Commas are ignored on both sides
+(``169,088`` = ``169088``).
 
 Facts that are words, not figures (a CPU flag, a capability string), are tagged ``quotes`` instead:
 
@@ -43,6 +45,11 @@ ANY_NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
 def figures(text: str) -> list[str]:
     """The checked figures in ``text``, normalised (no commas, no suffix)."""
     return [m.group(1).replace(",", "") for m in NUMBER.finditer(text)]
+
+
+def whole_numbers(text: str) -> list[str]:
+    """Whole numbers of two or more digits: what a tagged block of counts only (a table of 366, 66, 43) quotes."""
+    return [m.group(0) for m in re.finditer(r"(?<![\w.])\d{2,}(?![\w.])", text)]
 
 
 def printed(text: str) -> set[str]:
@@ -94,7 +101,7 @@ def disagreements(chapter_text: str, notebooks: Path) -> list[str]:
         except (OSError, LookupError) as e:
             problems.append(f"line {line}: {e}")
             continue
-        quoted = figures(block)
+        quoted = figures(block) or whole_numbers(block)
         if not quoted:
             problems.append(f"line {line}: the tagged block quotes no figure")
         problems += [f"line {line}: {q} is not in the output of {nb}#{','.join(ids)}" for q in quoted
