@@ -4,6 +4,7 @@ Both models are built from a seed alone, so every rank (and torch's FSDP/DDP
 in the same test) starts from exactly the same numbers:
 
     model = TinyGPT(GPTConfig.tiny(), seed=0)     # ~30k parameters, for tests
+    model = TinyGPT(GPTConfig.mini(), seed=0)     # ~0.2M parameters, the README's first training run
     model = TinyGPT(GPTConfig.bench(), seed=0)    # ~20M parameters, for benchmarks
 
 The GPT has the parts that make sharding interesting:
@@ -46,6 +47,11 @@ class GPTConfig:
     def tiny(cls) -> "GPTConfig":
         """About 30 thousand parameters: fast enough for many tests on 2 cores."""
         return cls()
+
+    @classmethod
+    def mini(cls) -> "GPTConfig":
+        """About 0.2 million parameters: the README's first training job, which learns words in about a minute."""
+        return cls(block_size=64, n_layer=4, n_head=4, n_embd=64)
 
     @classmethod
     def small(cls) -> "GPTConfig":

@@ -14,7 +14,11 @@ every 2 steps) is the oracle most tests compare with:
 * torchrun:    the same command under ``torchrun --nproc-per-node 2``: BITWISE equal.
 * schedule:    the logged lrs equal the warm-up + cosine formula written out here.
 * generate:    deterministic; the consolidated weights are the sharded checkpoint's, and the
-               printed text is a plain model's greedy continuation, computed here.
+               printed text is a plain model's continuation, computed here (greedy with
+               --temperature 0; sampled with the seed otherwise).
+* learning:    the README's first job, shortened: a trained model predicts text it never saw
+               better than the untrained one (per-character loss), and its sample is made of
+               the corpus's words where the untrained model's is not.
 * profile:     one Chrome trace per rank naming each unit's all-gather and reduce-scatter.
 * bad input:   each refusal names the problem and the fix, exits 2 and deletes nothing.
 """
@@ -174,7 +178,8 @@ def test_generate_prints_the_plain_models_greedy_continuation(base, capsys):
     prompt, n = "Fully sharded ", 40
     outs = []
     for _ in range(2):
-        assert cli.main(["generate", "--checkpoint", str(d), "--prompt", prompt, "--tokens", str(n)]) == 0
+        assert cli.main(["generate", "--checkpoint", str(d), "--prompt", prompt, "--tokens", str(n),
+                         "--temperature", "0"]) == 0
         outs.append(capsys.readouterr().out.rstrip("\n"))
     assert outs[0] == outs[1], "greedy decoding must be deterministic"
     final = torch.load(d / "final" / "full.pt", weights_only=False)["model"]
@@ -201,11 +206,92 @@ def test_generate_reads_the_runs_final_weights(base, tmp_path, capsys):
             p.add_(torch.randn(p.shape, generator=g) * 0.5)
     torch.save({"model": model.state_dict()}, run / "final" / "full.pt")
     prompt, n = "Fully sharded ", 40
-    assert cli.main(["generate", "--checkpoint", str(run), "--prompt", prompt, "--tokens", str(n)]) == 0
+    greedy = ["--prompt", prompt, "--tokens", str(n), "--temperature", "0"]
+    assert cli.main(["generate", "--checkpoint", str(run), *greedy]) == 0
     out = capsys.readouterr().out.rstrip("\n")
     assert out == _greedy_by_hand(model.eval(), CharCorpus(), prompt, n)
-    assert cli.main(["generate", "--checkpoint", str(d), "--prompt", prompt, "--tokens", str(n)]) == 0
+    assert cli.main(["generate", "--checkpoint", str(d), *greedy]) == 0
     assert capsys.readouterr().out.rstrip("\n") != out, "both weights say the same: the test would not see a swap"
+
+
+def _sample_by_hand(model, corpus, prompt, n, temperature, top_k, seed):
+    """Temperature, top-k, one draw per character from a generator seeded once: generate's rule, written out."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [corpus.stoi.get(c, 0) for c in prompt]
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[-model.cfg.block_size:]]))[0, -1] / temperature
+        kth = torch.sort(logits, descending=True).values[top_k - 1]
+        probs = torch.where(logits >= kth, logits, torch.tensor(float("-inf"))).softmax(-1)
+        ids.append(int(torch.multinomial(probs, 1, generator=g)))
+    return prompt + "".join(corpus.itos.get(i, "?") for i in ids[len(prompt):])
+
+
+def test_generate_samples_with_its_seed_temperature_and_top_k(base, capsys):
+    d, _ = base
+    flags = ["--prompt", "Fully sharded ", "--tokens", "40", "--temperature", "0.8", "--top-k", "10"]
+    outs = {}
+    for seed in ("0", "0", "1"):
+        assert cli.main(["generate", "--checkpoint", str(d), *flags, "--seed", seed]) == 0
+        outs.setdefault(seed, []).append(capsys.readouterr().out.rstrip("\n"))
+    assert outs["0"][0] == outs["0"][1], "the same seed must draw the same text"
+    assert outs["0"][0] != outs["1"][0], "another seed draws other characters (else the seed is ignored)"
+    model = TinyGPT(GPTConfig.tiny(), seed=5)
+    model.load_state_dict(torch.load(d / "final" / "full.pt", weights_only=False)["model"])
+    assert outs["0"][0] == _sample_by_hand(model.eval(), CharCorpus(), "Fully sharded ", 40, 0.8, 10, 0)
+    assert cli.main(["generate", "--checkpoint", str(d), *flags[:4], "--top-k", "-1"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+
+
+# Text the corpus (chapter 1 of the book) does not contain, written for this test.
+HELD_OUT = (
+    "A sharded model keeps one slice of every weight on each rank. Before a layer runs, the ranks gather "
+    "its full weights; after the backward pass, they scatter the gradients so that each rank keeps the "
+    "sum for its own slice, and the optimizer updates only that slice. The memory of the model state is "
+    "divided by the number of ranks, and the price is more messages on the network. A training job "
+    "should save its checkpoints often, and a resumed run should continue exactly where it stopped."
+)
+
+
+@pytest.mark.timeout(240)
+def test_a_trained_model_beats_the_untrained_one_on_text_it_never_saw(tmp_path, capsys):
+    """The README's first job, shortened (the tiny model, 100 steps): training is learning, measured two ways.
+
+    * per-character loss on HELD_OUT: the untrained model is near ln(95) (uniform over the characters it
+      can name); the trained one must be at least 1 nat per character better;
+    * its sample (``generate``'s defaults): the share of the sample's character pairs that also occur in
+      the corpus must be at least 0.2 above the untrained model's sample (same prompt, seed and sampling).
+      A model that has learned only which characters are frequent already passes this; words come later
+      (the README's run, chapter 3.1).
+    The planted fault at the end (the untrained weights in place of the trained ones) fails both.
+    """
+    from minifsdp.models import load_corpus
+    from minifsdp.tools.generate import char_loss, load_trained, sample
+
+    d = tmp_path / "run"
+    assert train("--world-size", "2", "--model", "tiny", "--steps", "100", "--lr", "1e-2", "--warmup", "10",
+                 "--dropout", "0", "--checkpoint-dir", str(d), "--checkpoint-every", "100") == 0
+    capsys.readouterr()  # the job's own lines
+    corpus, untrained, trained = CharCorpus(), TinyGPT(GPTConfig.tiny(), seed=0).eval(), load_trained(str(d))
+    loss_untrained, loss_trained = char_loss(untrained, corpus, HELD_OUT), char_loss(trained, corpus, HELD_OUT)
+    assert loss_untrained > math.log(95) - 0.1, loss_untrained
+    assert loss_trained < loss_untrained - 1.0, (loss_trained, loss_untrained)
+
+    text = load_corpus()
+    pairs = {text[i:i + 2] for i in range(len(text) - 1)}
+
+    def pairs_known(sampled: str) -> float:
+        return sum(sampled[i:i + 2] in pairs for i in range(len(sampled) - 1)) / (len(sampled) - 1)
+
+    assert cli.main(["generate", "--checkpoint", str(d), "--prompt", "The ", "--tokens", "200"]) == 0
+    said = capsys.readouterr().out.rstrip("\n")[len("The "):]
+    babble = sample(untrained, corpus, "The ", 200)
+    print(f"held-out loss per character: trained {loss_trained:.3f}, untrained {loss_untrained:.3f}; "
+          f"known character pairs: trained {pairs_known(said):.2f}, untrained {pairs_known(babble):.2f}")
+    assert pairs_known(said) >= pairs_known(babble) + 0.2, (said, babble)
+    # planted fault: "trained" weights that are the untrained ones fail both checks
+    assert not char_loss(untrained, corpus, HELD_OUT) < loss_untrained - 1.0
+    assert not pairs_known(babble) >= pairs_known(babble) + 0.2
 
 
 @pytest.mark.timeout(120)

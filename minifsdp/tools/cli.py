@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_student_argument(p_train)  # --impl student: your exercise functions inside our FSDP (student.py)
 
-    p_gen = sub.add_parser("generate", help="greedy text from a train run's consolidated weights")
-    p_gen.add_argument("--checkpoint", required=True, help="the run's --checkpoint-dir (or one step_* folder in it)")
-    p_gen.add_argument("--prompt", required=True)
-    p_gen.add_argument("--tokens", type=int, default=200, help="characters to generate")
+    p_gen = sub.add_parser("generate", help="sample text from a train run's consolidated weights")
+    from minifsdp.tools.generate import add_arguments as add_generate_arguments
+
+    add_generate_arguments(p_gen)
 
     p_bench = sub.add_parser("bench", help="measure ours against torch in the same run")
     p_bench.add_argument("what", choices=("collectives", "fsdp", "overlap", "precision", "scale"))

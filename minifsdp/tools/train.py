@@ -56,7 +56,7 @@ from minifsdp.tools.train_checks import JobError, check_args, checkpoint_steps
 
 __all__ = ["run_train", "train_worker", "lr_factor", "add_arguments", "JobError", "MODELS"]
 
-MODELS = {"tiny": GPTConfig.tiny, "small": GPTConfig.small}
+MODELS = {"tiny": GPTConfig.tiny, "mini": GPTConfig.mini, "small": GPTConfig.small}
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 PLATEAU = dict(factor=0.5, patience=10)  # halve the lr after 10 steps without a new best loss
 
@@ -64,7 +64,8 @@ PLATEAU = dict(factor=0.5, patience=10)  # halve the lr after 10 steps without a
 def add_arguments(p) -> None:
     """The flags of ``python -m minifsdp train`` (cli.py adds the subcommand)."""
     p.add_argument("--world-size", type=int, default=None, help="local ranks (default 2; under torchrun its own)")
-    p.add_argument("--model", choices=tuple(MODELS), default="tiny", help="TinyGPT size (tiny ~30k, small ~0.8M)")
+    p.add_argument("--model", choices=tuple(MODELS), default="tiny",
+                   help="TinyGPT size (tiny ~30k, mini ~0.2M, small ~0.8M)")
     p.add_argument("--steps", type=int, default=200, help="the run's total length: the schedule's horizon")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")

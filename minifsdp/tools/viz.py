@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ring_states", "plot_ring_steps", "draw_ring_step", "ring_widget", "plot_bucket_timeline", "plot_losses"]
+__all__ = ["ring_states", "plot_ring_steps", "draw_ring_step", "ring_widget", "plot_bucket_timeline", "plot_losses",
+           "save_figure"]
 
 PHASES = ("reduce_scatter", "all_gather")
 
@@ -224,3 +225,24 @@ def plot_losses(curves: Mapping[str, Sequence[float]], ax=None, title: str = "tr
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def save_figure(fig, name: str, root=None):
+    """Save ``fig`` as ``chapters/figures/<name>.png``, the picture a chapter shows; returns the path.
+
+    The chapters show the key plots of their notebooks (``![...](figures/<name>.png)``), so that they read on
+    their own; the notebook that draws a plot saves it there each time it runs.  ``root`` is the repository
+    (default: the first of the working directory and its parents that holds ``chapters/``).  No metadata
+    (software version) is written, so a figure drawn from the same numbers is the same file.
+    """
+    from pathlib import Path
+
+    if root is None:
+        here = Path.cwd().resolve()
+        root = next((p for p in (here, *here.parents) if (p / "chapters").is_dir()), None)
+        if root is None:
+            raise FileNotFoundError(f"no chapters/ folder in {here} or above it; pass root=the repository")
+    path = Path(root) / "chapters" / "figures" / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    return path
