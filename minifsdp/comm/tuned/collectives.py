@@ -15,7 +15,7 @@ stream, in issue order, while the caller keeps computing (do not touch the tenso
   between calls (:mod:`.seat`, Note (workspace)).
 
 Every one of these keeps the textbook's order of additions, so the results are bitwise the
-textbook's (``tests/test_collectives.py``, check "tuned_vs_textbook").
+textbook's (``tests/test_collectives.py``, check "tuned_vs_textbook"; ``tests/comm/`` in one process).
 """
 
 from __future__ import annotations
