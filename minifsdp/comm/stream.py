@@ -31,7 +31,7 @@ an add or copy above 32768 elements is split over a thread team, and after the w
 threads spin, waiting for more; each thread that starts parallel work gets a team of its own
 (the caller's and the stream's: two).  On a machine whose cores all have ranks on them, those
 spinning threads take the cores that the other ranks (and gloo's threads) need to move our
-bytes: with torch's default thread count our ring ran 3 to 14 times slower, gloo's not at all.
+bytes: with torch's default thread count our ring ran 5 to 25 times slower, gloo's not at all.
 gloo adds on one thread; so do we.  The setting is the thread's own (OpenMP's is per thread), so
 the caller's compute keeps its threads.  Measured: ``chapters/results/ring_threads.md``.
 
