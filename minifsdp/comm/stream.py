@@ -49,7 +49,6 @@ group, and this module calls it at exit as well.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import queue
 import threading
 from typing import Any, Callable
@@ -59,7 +58,7 @@ import torch
 from minifsdp.comm.counting import active_stats, counting_for
 from minifsdp.launch import on_teardown
 
-__all__ = ["Work", "CommStream", "stream_for", "run_on_stream", "one_intra_op_thread", "close_streams",
+__all__ = ["Work", "CommStream", "stream_for", "run_on_stream", "on_one_intra_op_thread", "close_streams",
            "live_streams"]
 
 CLOSE_TIMEOUT_S = 30.0
@@ -68,16 +67,15 @@ _STOP = object()  # the job that tells a stream's thread to exit
 _PER_THREAD_COUNT = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-@contextlib.contextmanager
-def one_intra_op_thread():
-    """Inside the block, torch ops of *this* thread run on one thread (Note (one intra-op thread))."""
+def on_one_intra_op_thread(job: Callable[[], Any]) -> Any:
+    """``job()`` with torch ops of *this* thread on one thread, the count put back after (Note (one intra-op
+    thread)).  A plain function, not a ``with`` block: it runs around every collective, so it is kept cheap."""
     before = torch.get_num_threads() if _PER_THREAD_COUNT else 1
     if before == 1:
-        yield
-        return
+        return job()
     torch.set_num_threads(1)
     try:
-        yield
+        return job()
     finally:
         torch.set_num_threads(before)
 
@@ -152,8 +150,7 @@ class CommStream:
             if self._closed or self._unfinished or not self._running.acquire(blocking=False):
                 return False
         try:
-            with one_intra_op_thread():
-                job()
+            on_one_intra_op_thread(job)
         finally:
             self._running.release()
         return True
@@ -186,8 +183,8 @@ class CommStream:
             if job is _STOP:
                 return
             try:
-                with self._running, one_intra_op_thread():
-                    job()
+                with self._running:
+                    on_one_intra_op_thread(job)
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits
                 error_or_none = error
             else:
