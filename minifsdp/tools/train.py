@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from minifsdp.comm import COLLECTIVE_KINDS
 from minifsdp.launch import launched_by_torchrun, spawn
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
 from minifsdp.tools import train_impls as impls
@@ -80,8 +81,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="model init; rank r's RNG starts from (seed, r)")
     p.add_argument("--impl", choices=impls.IMPLS, default="ours")
     p.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD")
-    p.add_argument("--collectives", choices=("ring", "torch"), default=None,
-                   help="ours only: our ring collectives (default) or torch.distributed's")
+    p.add_argument("--collectives", choices=COLLECTIVE_KINDS, default=None,
+                   help="ours only: our ring tuned for gloo ('ring', the default), the textbook ring "
+                        "('textbook', comm/ring.py) or torch.distributed's ('torch')")
     p.add_argument("--mixed-precision", choices=tuple(impls.DTYPES), default=None)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--checkpoint-dir", default=None)
