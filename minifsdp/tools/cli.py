@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minifsdp.tools.devices import DeviceError, add_device_argument
-
 from minifsdp.comm import COLLECTIVE_KINDS
+from minifsdp.tools.devices import DeviceError, add_device_argument
 
 
 def _threads(text: str) -> int | None:
