@@ -15,7 +15,7 @@ from minifsdp.ddp import DistributedDataParallel
 from minifsdp.models import MLP, CharCorpus, TinyGPT
 
 STEPS = 5
-VARIANTS = [("torch", "reverse"), ("torch", "torch"), ("ring", "reverse"), ("ring", "torch")]
+VARIANTS = [("torch", "reverse"), ("torch", "torch"), ("ring", "reverse"), ("ring", "torch"), ("textbook", "torch")]
 _CORPUS = None
 
 
@@ -55,7 +55,7 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 def train_side_by_side(name, opt_kind, rank, ws):
-    """torch DDP and the four variants of ours, same data; returns {variant: max diff after STEPS}."""
+    """torch DDP and the variants of ours, same data; returns {variant: max diff after STEPS}."""
     models = {"torch": TorchDDP(make_model(name))}
     for coll, layout in VARIANTS:
         models[f"{coll}/{layout}"] = DistributedDataParallel(make_model(name), collectives=coll, bucket_layout=layout)
@@ -65,7 +65,10 @@ def train_side_by_side(name, opt_kind, rank, ws):
             opts[k].zero_grad()
             loss_on(m, name, step, rank, ws).backward()
             opts[k].step()
-    return {k: max_diff(models["torch"].module, m.module) for k, m in models.items() if k != "torch"}
+    diffs = {k: max_diff(models["torch"].module, m.module) for k, m in models.items() if k != "torch"}
+    # the textbook ring (comm/ring.py) and the tuned one add in the same order: the same bits at any N
+    diffs["textbook/torch vs ring/torch"] = max_diff(models["ring/torch"].module, models["textbook/torch"].module)
+    return diffs
 
 
 def no_sync_parity(rank, ws):

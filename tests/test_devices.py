@@ -76,7 +76,9 @@ def test_no_gpu_and_unknown_devices_are_refused(monkeypatch):
 
 @NO_GPU
 @pytest.mark.parametrize("argv", (["compare", "--device", "cuda", "--world-size", "1"],
-                                  ["bench", "fsdp", "--device", "cuda", "--config", "tiny", "--world-sizes", "1"]))
+                                  ["bench", "fsdp", "--device", "cuda", "--config", "tiny", "--world-sizes", "1"],
+                                  ["train", "--device", "cuda", "--world-size", "1", "--steps", "2"],
+                                  ["generate", "--device", "cuda", "--checkpoint", ".", "--prompt", "x"]))
 def test_cli_without_a_gpu_says_so_in_one_line(capsys, argv):
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -1,51 +1,29 @@
-"""Chapter 2.2: collectives written by hand on point-to-point sends and receives.
+"""Chapter 2.2: which collectives FSDP and DDP run -- ``get_collectives(kind)``, one interface.
 
-Every data-parallel trainer needs one operation: "every rank holds a tensor;
-make every rank hold the sum".  This module builds it twice, from nothing but
-``dist.isend`` / ``dist.irecv``:
+"All-reduce" is one line in ``torch.distributed``: "every rank holds a tensor; make every rank
+hold the sum".  This package builds it by hand, from nothing but ``dist.isend`` / ``dist.irecv``,
+twice: as the book draws it, and tuned for gloo.  Any of three can carry FSDP's and DDP's
+gradients and parameters::
 
-* :func:`naive_all_reduce` -- the parameter-server shape: everyone sends to a
-  root, the root adds and sends the sum back.  The root moves (N-1) x S bytes
-  each way, so it is the bottleneck as N grows.
-* :func:`ring_all_reduce` -- a :func:`ring_reduce_scatter` followed by a
-  :func:`ring_all_gather`.  Every rank sends 2(N-1)/N x S bytes, almost the
-  same for 2 ranks or 2000 (the bandwidth-optimal algorithm; its *latency*,
-  2(N-1) steps, does grow with N).  At 2 ranks the same bytes move in one
-  trip instead: a small tensor inside the header message (comm/header.py),
-  a bigger one swapped whole (comm/swap.py).
+    kind        what runs                                               where
+    "ring"      our ring, tuned for gloo (the default); bitwise the     minifsdp/comm/tuned/
+                textbook's results
+    "textbook"  our ring as the book draws it, nothing more             minifsdp/comm/ring.py
+    "torch"     torch.distributed's own (gloo, NCCL): the oracle        torch.distributed
 
-How the ring steps go (ASCII picture), the chunking rule for sizes that N does
-not divide (S elements -> N chunks, the first S % N one element longer), and why
-every rank sends and receives at once: see :mod:`minifsdp.comm.ring`, where the
-loops live.  Uneven sizes: rank r never sends chunk r in the reduce-scatter nor
-chunk r+1 in the all-gather, so it sends 2S - |c_r| - |c_r+1| elements, between
-2(N-1) x floor(S/N) and 2(N-1) x ceil(S/N); exactly 2(N-1)/N x S when N divides S.
+Each object has ``all_reduce(t, op="sum", group=None, async_op=False)``, ``reduce_scatter(out,
+inp, op, group, async_op)`` and ``all_gather(out, inp, group, async_op)``; with ``async_op=True``
+they return a work object with ``wait()``.  Ours run on the group's comm stream
+(:mod:`minifsdp.comm.stream`), in the order they were issued, so asynchronous calls overlap the
+caller's compute and a synchronous one queues behind them.
 
-Before moving data the ranks check they all called the same collective on
-same-sized tensors (if not, every rank raises; nothing hangs).
+The names ``ring_all_reduce``, ``ring_reduce_scatter`` and ``ring_all_gather`` here are the tuned
+ones (with ``async_op``); the textbook's, without it, are ``minifsdp.comm.ring``'s.
+``naive_all_reduce`` is the parameter-server shape, for contrast (:mod:`minifsdp.comm.naive`).
 
-Note (precision): sums are accumulated in the tensor's own dtype, chunk by
-chunk in ring order.  gloo adds in another order, so for fp16/bf16 (and fp32
-on random data) at N > 2 results can differ from ``dist.all_reduce`` in the
-last bits; integers and exactly representable values match bitwise.
-``op="avg"`` is the sum divided by N once, on the owner's chunk; for int64 it
-raises (floor or round?  say what you mean: sum, then divide yourself).
-
-Async, like torch: ``async_op=True`` returns a :class:`Work` with ``wait()`` and
-``is_completed()``; the ring then runs on the process group's one background
-thread (:mod:`minifsdp.comm.stream`), collectives in the order they were
-issued, while the caller keeps computing.  Do not touch the tensor before
-``wait()``.  Synchronous calls queue on the same thread and wait.
-
-Ours or torch's: :func:`get_collectives` gives other modules one interface,
-``get_collectives("ring")`` (these functions) or ``get_collectives("torch")``
-(``dist.all_reduce`` and friends), each with ``all_reduce(t, op, group,
-async_op)``, ``reduce_scatter(out, inp, op, group, async_op)``,
-``all_gather(out, inp, group, async_op)``.
-
-Bytes: ``with count_bytes() as stats: ...`` then ``stats.sent`` and
-``stats.received`` are the bytes this rank moved through our collectives
-issued inside the block (read them after ``wait()`` for async ones).
+Note (precision): sums are accumulated in the tensor's own dtype, chunk by chunk in ring order
+(:mod:`minifsdp.comm.ring`, Note (the same bits on every rank)); ``op="avg"`` divides once; for
+integer tensors it raises (floor or round?  say what you mean: sum, then divide yourself).
 """
 
 from __future__ import annotations
@@ -53,219 +31,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minifsdp.comm.header import CARRY_BYTES, agree_on_header, carry_room
-from minifsdp.comm.ring import (
-    DTYPES,
-    OPS,
-    ByteStats,
-    Ring,
-    active_stats,
-    all_gather_in_place,
-    all_reduce_in_place,
-    chunk_bounds,
-    count_bytes,
-    reduce_scatter_chunks,
-)
-from minifsdp.comm.stream import Work, stream_for
-from minifsdp.comm.swap import swap_all_reduce
+from minifsdp.comm import naive, ring
+from minifsdp.comm.checks import OPS, check_ready
+from minifsdp.comm.counting import ByteStats, count_bytes
+from minifsdp.comm.ring import chunk_bounds
+from minifsdp.comm.stream import Work, run_on_stream
+from minifsdp.comm.tuned.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from minifsdp.comm.tuned.header import CARRY_BYTES
 
 __all__ = [
     "naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
-    "chunk_bounds", "count_bytes", "ByteStats", "get_collectives", "Work", "CARRY_BYTES",
+    "chunk_bounds", "count_bytes", "ByteStats", "get_collectives", "COLLECTIVE_KINDS", "Work", "CARRY_BYTES",
+    "RingCollectives", "TextbookCollectives", "TorchCollectives",
 ]
 
 
-# ----------------------------------------------------------------------------- checks
-def _check_ready(name: str, group, tensors: dict[str, torch.Tensor], op=None) -> tuple[object, str]:
-    """Clear errors for the usual mistakes; returns (group, op name)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"{name} was called before the process group exists: call "
-            "torch.distributed.init_process_group(...) first, "
-            "or run your function with minifsdp.spawn(fn, world_size=N)."
-        )
-    group = group if group is not None else dist.group.WORLD
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"{name}: this rank ({dist.get_rank()}) is not a member of the given group; "
-                         "call collectives only on ranks that belong to the group.")
-    for label, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}.")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: {label} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
-                             "pass t.contiguous() and copy the result back if you need it in t.")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of {[str(d) for d in DTYPES]}.")
-    dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) > 1:
-        raise TypeError(f"{name}: output and input must have the same dtype, got {sorted(map(str, dtypes))}.")
-    if op is None:
-        return group, "sum"
-    key = op.lower() if isinstance(op, str) else _reduce_op_name(op)
-    if key not in OPS:
-        raise ValueError(f"{name}: op={op!r} is not supported by our ring collectives; use 'sum' or 'avg' "
-                         "(or dist.ReduceOp.SUM / AVG); for MAX/MIN/PRODUCT use torch.distributed.all_reduce.")
-    if key == "avg" and not next(iter(dtypes)).is_floating_point:
-        raise TypeError(f"{name}: op='avg' on integer tensors is ambiguous (floor? round?); "
-                        "use op='sum' and divide the result yourself.")
-    return group, key
-
-
-def _reduce_op_name(op) -> str | None:
-    """'sum' / 'avg' for dist.ReduceOp.SUM / AVG, else None."""
-    for name, torch_op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
-        try:
-            if op == torch_op:
-                return name
-        except TypeError:
-            return None
-    return None
-
-
-def _run(name: str, group, job, async_op: bool) -> Work | None:
-    """Run ``job(ring)`` on the group's comm stream; wait unless ``async_op``.
-
-    A synchronous call on an idle stream runs in the calling thread instead (the same order,
-    two thread wake-ups fewer: :meth:`CommStream.run_inline_if_idle`).  The header receives
-    posted ahead (header.py, Note (doorbell)) live with the stream: one set per group.
-    """
-    stats = active_stats()  # bytes belong to the block that *issued* the collective
-    stream = stream_for(group)
-    bells = stream.__dict__.setdefault("doorbells", {})
-
-    def ring_job() -> None:
-        job(Ring(group, stats, stream.workspace, bells))
-
-    if not async_op and stream.run_inline_if_idle(ring_job):
-        return None
-    work = stream.submit(ring_job, name)
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
-# ----------------------------------------------------------------------------- public collectives
-def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False) -> Work | None:
-    """In place: every rank's ``tensor`` becomes the sum (or mean) over ranks.  Any shape, any size.
-
-    A ring reduce-scatter then a ring all-gather over the chunks of ``tensor.view(-1)``
-    (the picture is in :mod:`minifsdp.comm.ring`).  Returns a :class:`Work` if ``async_op`` else None.
-    """
-    group, op = _check_ready("ring_all_reduce", group, {"tensor": tensor}, op)
-
-    def job(ring: Ring) -> None:
-        flat = tensor.view(-1)
-        carried = ring.size == 2 and flat.numel() * flat.element_size() <= carry_room(ring)
-        received = agree_on_header(ring, "all_reduce", tensor, op, carry=flat if carried else None)
-        if ring.size == 2 and not carried:
-            swap_all_reduce(ring, flat, op)  # comm/swap.py
-        else:
-            all_reduce_in_place(ring, flat, op, received=received)
-
-    return _run("ring_all_reduce", group, job, async_op)
-
-
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None,
-                        async_op: bool = False) -> Work | None:
-    """Like ``dist.reduce_scatter_tensor``: ``input`` holds N x output.numel() elements;
-    rank r's ``output`` becomes the sum over ranks of chunk r of ``input``.  ``input`` is not modified.
-    """
-    group, op = _check_ready("ring_reduce_scatter", group, {"output": output, "input": input}, op)
-    n = dist.get_world_size(group)
-    if input.numel() != n * output.numel():
-        raise ValueError(f"ring_reduce_scatter: input has {input.numel()} elements but must have "
-                         f"world_size x output.numel() = {n} x {output.numel()} = {n * output.numel()}.")
-
-    def job(ring: Ring) -> None:
-        r, m = ring.rank, output.numel()
-        chunks = input.view(n, m)
-        agree_on_header(ring, "reduce_scatter", input, op)
-        if n == 1:
-            output.view(-1).copy_(chunks[0])
-            return
-        # Partial sums in flight alternate between two buffers (we send one while receiving into
-        # the other): ``output`` itself and one scratch chunk, chosen so that the last step
-        # receives straight into ``output`` and adds our own chunk there.  So 2 ranks need no
-        # scratch and any more ranks one chunk of it: FSDP's peak holds no full-size copy of a
-        # unit's gradient for the ring.  (Unless ``output`` is a piece of ``input``: then
-        # receiving into it would overwrite a chunk not yet added, so two scratch chunks.)
-        #     N=4: step 0 -> output, step 1 -> scratch, step 2 -> output (+ our chunk: done)
-        aliased = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
-        out = output.view(-1)
-        if aliased:
-            scratch = ring.scratch(2 * m, input)
-            into = [scratch[(s % 2) * m:(s % 2 + 1) * m] for s in range(n - 1)]
-        else:
-            scratch = ring.scratch(m, input) if n > 2 else None
-            into = [out if (n - 2 - s) % 2 == 0 else scratch for s in range(n - 1)]
-        sending = chunks[reduce_scatter_chunks(r, n, 0)[0]]
-        for s, received in enumerate(into):
-            recv_c = reduce_scatter_chunks(r, n, s)[1]
-            ring.step(sending, received)
-            if recv_c == r:  # the last step: our chunk, once added, is summed over all ranks
-                torch.add(received, chunks[r], out=out)  # a + b and b + a: the same bits
-            else:
-                sending = received.add_(chunks[recv_c])
-        if op == "avg":
-            output.div_(n)
-
-    return _run("ring_reduce_scatter", group, job, async_op)
-
-
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Work | None:
-    """Like ``dist.all_gather_into_tensor``: ``output`` (N x input.numel() elements) becomes
-    every rank's ``input`` concatenated in rank order.
-    """
-    group, _ = _check_ready("ring_all_gather", group, {"output": output, "input": input})
-    n = dist.get_world_size(group)
-    if output.numel() != n * input.numel():
-        raise ValueError(f"ring_all_gather: output has {output.numel()} elements but must have "
-                         f"world_size x input.numel() = {n} x {input.numel()} = {n * input.numel()}.")
-
-    def job(ring: Ring) -> None:
-        flat, m = output.view(-1), input.numel()
-        agree_on_header(ring, "all_gather", input, "sum")
-        flat[ring.rank * m : (ring.rank + 1) * m].copy_(input.view(-1))
-        all_gather_in_place(ring, flat, chunk_bounds(flat.numel(), n))
-
-    return _run("ring_all_gather", group, job, async_op)
-
-
 def naive_all_reduce(tensor: torch.Tensor, op="sum", group=None, root: int = 0) -> None:
-    """In place, parameter-server shape: all ranks send to ``root`` (a group rank), root sums, sends back.
-
-    The root receives and sends (N-1) x S bytes; everyone else sends and receives S.
-    """
-    group, op = _check_ready("naive_all_reduce", group, {"tensor": tensor}, op)
-    n = dist.get_world_size(group)
-    if not 0 <= root < n:
-        raise ValueError(f"naive_all_reduce: root={root} is not a rank of the group (0..{n - 1}).")
-
-    def job(ring: Ring) -> None:
-        agree_on_header(ring, "naive_all_reduce", tensor, op, extra=root)
-        flat, empty = tensor.view(-1), tensor.new_empty(0)
-        if ring.rank != root:
-            ring.exchange(flat, root, empty, root)  # my data up ...
-            ring.exchange(empty, root, flat, root)  # ... the sum down
-            return
-        others = [i for i in range(n) if i != root]
-        inbox = [torch.empty_like(flat) for _ in others]
-        for i, buf in zip(others, inbox):
-            ring.exchange(empty, i, buf, i)
-        for buf in inbox:  # add in rank order: deterministic
-            flat.add_(buf)
-        if op == "avg":
-            flat.div_(n)
-        for i in others:
-            ring.exchange(flat, i, empty, i)
-
-    _run("naive_all_reduce", group, job, async_op=False)
+    """In place, parameter-server shape (:mod:`minifsdp.comm.naive`), in issue order on the group's comm stream."""
+    group, _ = check_ready("naive_all_reduce", group, {"tensor": tensor}, op)
+    run_on_stream(group, lambda _: naive.naive_all_reduce(tensor, op, group, root), "naive_all_reduce", False)
 
 
-# ----------------------------------------------------------------------------- ours or torch's
 class RingCollectives:
-    """Our hand-written ring collectives behind the common interface."""
+    """Our ring, tuned for gloo (:mod:`minifsdp.comm.tuned`), behind the common interface."""
 
     kind = "ring"
 
@@ -277,6 +65,28 @@ class RingCollectives:
 
     def all_gather(self, output, input, group=None, async_op=False):
         return ring_all_gather(output, input, group=group, async_op=async_op)
+
+
+class TextbookCollectives:
+    """The textbook ring (:mod:`minifsdp.comm.ring`) behind the common interface, on the comm stream
+    (which gives it ``async_op`` and issue order; the ring itself is synchronous)."""
+
+    kind = "textbook"
+
+    def all_reduce(self, tensor, op="sum", group=None, async_op=False):
+        group, _ = check_ready("ring_all_reduce", group, {"tensor": tensor}, op)
+        return run_on_stream(group, lambda _: ring.ring_all_reduce(tensor, op, group), "textbook all_reduce",
+                             async_op)
+
+    def reduce_scatter(self, output, input, op="sum", group=None, async_op=False):
+        group, _ = check_ready("ring_reduce_scatter", group, {"output": output, "input": input}, op)
+        return run_on_stream(group, lambda _: ring.ring_reduce_scatter(output, input, op, group),
+                             "textbook reduce_scatter", async_op)
+
+    def all_gather(self, output, input, group=None, async_op=False):
+        group, _ = check_ready("ring_all_gather", group, {"output": output, "input": input})
+        return run_on_stream(group, lambda _: ring.ring_all_gather(output, input, group),
+                             "textbook all_gather", async_op)
 
 
 class TorchCollectives:
@@ -304,10 +114,14 @@ class TorchCollectives:
         return fn(output, input, group=group, async_op=async_op)
 
 
+_KINDS = {"ring": RingCollectives, "textbook": TextbookCollectives, "torch": TorchCollectives}
+COLLECTIVE_KINDS = tuple(_KINDS)  # ("ring", "textbook", "torch")
+
+
 def get_collectives(kind: str = "ring"):
-    """``"ring"``: our collectives; ``"torch"``: torch.distributed's.  Same methods, same arguments."""
-    if kind == "ring":
-        return RingCollectives()
-    if kind == "torch":
-        return TorchCollectives()
-    raise ValueError(f"get_collectives: kind={kind!r} is unknown; use 'ring' (ours) or 'torch'.")
+    """The collectives of ``kind`` (one of ``COLLECTIVE_KINDS``): same methods, same arguments."""
+    if kind not in _KINDS:
+        raise ValueError(f"get_collectives: kind={kind!r} is unknown; use one of {COLLECTIVE_KINDS}: 'ring' "
+                         "(ours, tuned for gloo), 'textbook' (ours, minifsdp/comm/ring.py) or 'torch' "
+                         "(torch.distributed's).")
+    return _KINDS[kind]()

@@ -1,8 +1,8 @@
 """The ring all-reduce, simulated in one process, every message recorded.
 
 :func:`simulate_ring_all_reduce` takes N tensors (one per pretend rank), runs
-the same schedule as :func:`minifsdp.comm.collectives.ring_all_reduce` -- the same
-:func:`~minifsdp.comm.ring.chunk_bounds` and the same "which chunk at which step"
+the same schedule as :func:`minifsdp.comm.ring.ring_all_reduce` (and the tuned ring) -- the
+same :func:`~minifsdp.comm.ring.chunk_bounds` and the same "which chunk at which step"
 functions from :mod:`minifsdp.comm.ring` -- and returns a :class:`RingTrace`: the
 result on every rank, one :class:`RingStep` per message, and a snapshot of
 every rank's buffer after each step.  :func:`print_ring` renders it as text;

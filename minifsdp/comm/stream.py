@@ -25,6 +25,16 @@ Note (one stream per group): the streams live in a small table keyed by the
 process group object.  Two groups get two threads; their messages cannot mix
 because torch gives every process group its own connections.
 
+Note (one intra-op thread): every job runs with ``torch.set_num_threads(1)`` in the thread that
+runs it (inline or the stream's own), and the count is put back after.  On torch's OpenMP backend
+an add or copy above 32768 elements is split over a thread team, and after the work the team's
+threads spin, waiting for more; each thread that starts parallel work gets a team of its own
+(the caller's and the stream's: two).  On a machine whose cores all have ranks on them, those
+spinning threads take the cores that the other ranks (and gloo's threads) need to move our
+bytes: with torch's default thread count our ring ran 5 to 25 times slower, gloo's not at all.
+gloo adds on one thread; so do we.  The setting is the thread's own (OpenMP's is per thread), so
+the caller's compute keeps its threads.  Measured: ``chapters/results/ring_threads.md``.
+
 Note (closing before exit): a stream's thread is a daemon, and Python does not
 wait for daemon threads at exit.  A thread still inside a send or receive when
 the interpreter shuts down dies in C++ as it tries to take the GIL back, and
@@ -43,12 +53,31 @@ import queue
 import threading
 from typing import Any, Callable
 
+import torch
+
+from minifsdp.comm.counting import active_stats, counting_for
 from minifsdp.launch import on_teardown
 
-__all__ = ["Work", "CommStream", "stream_for", "close_streams", "live_streams"]
+__all__ = ["Work", "CommStream", "stream_for", "run_on_stream", "on_one_intra_op_thread", "close_streams",
+           "live_streams"]
 
 CLOSE_TIMEOUT_S = 30.0
 _STOP = object()  # the job that tells a stream's thread to exit
+# Only OpenMP's thread count is per thread; torch's native pool is one for all (and warns when resized).
+_PER_THREAD_COUNT = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def on_one_intra_op_thread(job: Callable[[], Any]) -> Any:
+    """``job()`` with torch ops of *this* thread on one thread, the count put back after (Note (one intra-op
+    thread)).  A plain function, not a ``with`` block: it runs around every collective, so it is kept cheap."""
+    before = torch.get_num_threads() if _PER_THREAD_COUNT else 1
+    if before == 1:
+        return job()
+    torch.set_num_threads(1)
+    try:
+        return job()
+    finally:
+        torch.set_num_threads(before)
 
 
 class Work:
@@ -90,6 +119,7 @@ class CommStream:
     def __init__(self, name: str):
         self.name = name
         self.workspace: dict = {}  # scratch buffers the jobs may reuse (they run one at a time)
+        self.doorbells: dict = {}  # the tuned ring's header receives posted ahead (comm/tuned/header.py)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._submit_lock = threading.Lock()  # no job may slip in behind the stop marker
@@ -120,7 +150,7 @@ class CommStream:
             if self._closed or self._unfinished or not self._running.acquire(blocking=False):
                 return False
         try:
-            job()
+            on_one_intra_op_thread(job)
         finally:
             self._running.release()
         return True
@@ -154,7 +184,7 @@ class CommStream:
                 return
             try:
                 with self._running:
-                    job()
+                    on_one_intra_op_thread(job)
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits
                 error_or_none = error
             else:
@@ -175,6 +205,30 @@ def stream_for(group: Any) -> CommStream:
         if stream is None:
             stream = _STREAMS[group] = CommStream(name=str(id(group)))
         return stream
+
+
+def run_on_stream(group: Any, job: Callable[[CommStream], Any], name: str, async_op: bool) -> Work | None:
+    """Run ``job(stream)`` on ``group``'s comm stream, behind every job issued before it; wait unless
+    ``async_op`` (then return its :class:`Work`).  Its bytes count for the ``count_bytes()`` blocks open
+    now, when it is issued (:mod:`minifsdp.comm.counting`).
+
+    A synchronous call on an idle stream runs in the calling thread instead (the same order,
+    two thread wake-ups fewer: :meth:`CommStream.run_inline_if_idle`).
+    """
+    stats = active_stats()
+    stream = stream_for(group)
+
+    def counted() -> None:
+        with counting_for(stats):
+            job(stream)
+
+    if not async_op and stream.run_inline_if_idle(counted):
+        return None
+    work = stream.submit(counted, name)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def close_streams(timeout: float | None = CLOSE_TIMEOUT_S) -> list[str]:

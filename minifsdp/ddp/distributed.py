@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.comm.collectives import get_collectives
+from minifsdp.comm.collectives import COLLECTIVE_KINDS, get_collectives
 from minifsdp.comm.devices import backend_devices, check_backend_supports, collective_device
 from minifsdp.ddp.buckets import Bucket, assign_buckets, fill_buckets
 
@@ -73,10 +73,10 @@ def _all_reduce_sum(kind: str):
     """Return ``f(tensor, group) -> handle`` starting an async SUM all-reduce of the chosen kind."""
     if kind == "torch":
         return lambda t, group: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    if kind == "ring":
-        ring = get_collectives("ring")
-        return lambda t, group: ring.all_reduce(t, op="sum", group=group, async_op=True)
-    raise ValueError(f"collectives must be 'torch' or 'ring', got {kind!r}")
+    if kind in COLLECTIVE_KINDS:
+        ours = get_collectives(kind)
+        return lambda t, group: ours.all_reduce(t, op="sum", group=group, async_op=True)
+    raise ValueError(f"collectives must be one of {COLLECTIVE_KINDS}, got {kind!r}")
 
 
 def verify_same_shapes(module: nn.Module, group=None) -> None:
@@ -119,8 +119,9 @@ class DistributedDataParallel(nn.Module):
             all-reduces (more overlap, more per-message latency); larger: fewer,
             later ones.
         process_group: the ranks to average over (None: all of them).
-        collectives: "torch" (``dist.all_reduce``, gloo/NCCL's algorithm) or
-            "ring" (our ring all-reduce from ``minifsdp.comm.collectives``).
+        collectives: "torch" (``dist.all_reduce``, gloo/NCCL's algorithm), "ring" (our ring
+            all-reduce, tuned for gloo: ``minifsdp.comm.tuned``) or "textbook" (our ring as
+            chapter 2.2 draws it: ``minifsdp/comm/ring.py``); ``minifsdp.comm.COLLECTIVE_KINDS``.
         broadcast_buffers: broadcast rank 0's buffers before every forward, as torch.
         trace: record ``bucket_events`` (one dict per bucket per backward) for plots.
         bucket_layout: "reverse" (default): buckets filled in reverse registration

@@ -22,12 +22,22 @@ latency-bandwidth model ``t = alpha + beta x bytes`` fitted by least squares on 
 With ``--json`` the plot (time against size, log-log, points and fitted lines) is saved next
 to the JSON file, as ``<name>.png``.
 
+Which of ours: ``--collectives ring`` (default: the ring tuned for gloo, ``minifsdp.comm.tuned``),
+``textbook`` (``minifsdp/comm/ring.py``), or both, ``ring,textbook``: the first is "ours" in the
+table and the JSON, each further one gets its own columns (``textbook_s``, ...), all interleaved.
+
+Threads: ranks run with one intra-op thread each (``--threads 1``, the default, as every job of
+ours).  ``--threads default`` leaves torch's default (the number of cores) and starts the ranks
+with ``torch.multiprocessing``'s spawn, as a user's own launcher would: what a user who runs one
+process per machine under torchrun gets (chapters/results/ring_threads.md).
+
 Note: on a laptop every "link" is the loopback interface and every rank shares the same
 few cores, so absolute numbers say little; the ratio is the figure of merit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -37,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minifsdp.comm.collectives import ring_all_reduce
+from minifsdp.comm import COLLECTIVE_KINDS, get_collectives
 from minifsdp.launch import spawn
 from minifsdp.tools.bench_fit import AlphaBeta, fit_alpha_beta
 
@@ -84,11 +94,17 @@ def _time_once(fn, tensor) -> float:
     return elapsed.item()
 
 
-def _bench_rank(sizes: list[int], rounds: int = ROUNDS) -> list[dict]:
-    """Body of each rank: every size, both implementations, interleaved; the sweep over sizes ``rounds``
+def _impls(kinds: tuple[str, ...]) -> dict:
+    """{"ours": the first kind's all-reduce, each further kind by its name, "gloo": dist.all_reduce}."""
+    ours = {("ours" if i == 0 else kind): get_collectives(kind).all_reduce for i, kind in enumerate(kinds)}
+    return {**ours, "gloo": lambda t: dist.all_reduce(t)}
+
+
+def _bench_rank(sizes: list[int], rounds: int = ROUNDS, kinds: tuple[str, ...] = ("ring",)) -> list[dict]:
+    """Body of each rank: every size, every implementation, interleaved; the sweep over sizes ``rounds``
     times, so a slow minute on the machine touches every size a little, not one size wholly."""
     n = dist.get_world_size()
-    impls = {"ours": lambda t: ring_all_reduce(t), "gloo": lambda t: dist.all_reduce(t)}
+    impls = _impls(kinds)
     times = {nbytes: {name: [] for name in impls} for nbytes in sizes}
     tensors = {nbytes: torch.zeros(nbytes // 4) for nbytes in sizes}  # zeros: the sums stay finite
     for _ in range(rounds):
@@ -107,7 +123,10 @@ def _bench_rank(sizes: list[int], rounds: int = ROUNDS) -> list[dict]:
             median = statistics.median(ts)
             row[f"{name}_s"] = median
             row[f"{name}_busbw_GBps"] = bus_bandwidth(nbytes, n, median) / 1e9
-        row["ratio_ours_over_gloo"] = row["gloo_s"] / row["ours_s"]  # bus bandwidth ratio
+        for name in impls:
+            if name != "gloo":  # bus bandwidth ratio
+                row[f"ratio_{name}_over_gloo"] = row["gloo_s"] / row[f"{name}_s"]
+        row["threads_per_rank"] = torch.get_num_threads()
         rows.append(row)
     return rows
 
@@ -130,19 +149,52 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in str(text).split(",") if k.strip())
+    ours = tuple(k for k in COLLECTIVE_KINDS if k != "torch")
+    if not kinds or any(k not in ours for k in kinds) or len(set(kinds)) < len(kinds):
+        raise SystemExit(f"--collectives must list some of {ours} (ours; gloo is always measured), "
+                         f"e.g. ring or ring,textbook; got {text!r}")
+    return kinds
+
+
+@contextlib.contextmanager
+def _start_method(threads: int | None):
+    """torch's default threads: ranks started with torch.multiprocessing's spawn, as a user's own launcher."""
+    saved = os.environ.get("MINIFSDP_START_METHOD")
+    if threads is None:
+        os.environ["MINIFSDP_START_METHOD"] = "spawn"
+    try:
+        yield "spawn" if threads is None else (saved or "forkserver")
+    finally:
+        if saved is None:
+            os.environ.pop("MINIFSDP_START_METHOD", None)
+        else:
+            os.environ["MINIFSDP_START_METHOD"] = saved
+
+
 def run_collectives_bench(args) -> int:
-    """Entry point of ``python -m minifsdp bench collectives`` (args: world_sizes, max_mb, json)."""
+    """Entry point of ``python -m minifsdp bench collectives`` (args: world_sizes, max_mb, json, collectives,
+    threads: an int, or None for torch's default)."""
     world_sizes = [int(w) for w in str(args.world_sizes).split(",") if w.strip()]
     if not world_sizes or any(w < 2 for w in world_sizes):
         raise SystemExit(f"--world-sizes must list sizes >= 2, e.g. 2,4; got {args.world_sizes!r}")
     sizes = bench_sizes(args.max_mb)
     if not sizes:
         raise SystemExit(f"--max-mb={args.max_mb} is below the smallest size (1 KB); use e.g. --max-mb 64")
+    kinds, threads = _kinds(getattr(args, "collectives", "ring")), getattr(args, "threads", 1)
     rows, started = [], time.perf_counter()
-    for n in world_sizes:
-        print(f"world size {n}: {len(sizes)} sizes from {_human(sizes[0])} to {_human(sizes[-1])} ...", flush=True)
-        rows += spawn(_bench_rank, args=(sizes,), world_size=n, timeout_s=600, threads_per_rank=1)[0]
+    print(f"ours = {kinds[0]}" + "".join(f", then {k}" for k in kinds[1:]) + f" against gloo; intra-op threads "
+          f"per rank: {threads or 'torch default'}; load average {load_average():.1f}", flush=True)
+    with _start_method(threads) as start_method:
+        for n in world_sizes:
+            print(f"world size {n}: {len(sizes)} sizes from {_human(sizes[0])} to {_human(sizes[-1])} ...", flush=True)
+            rows += spawn(_bench_rank, args=(sizes, ROUNDS, kinds), world_size=n, timeout_s=600,
+                          threads_per_rank=threads)[0]
     print(format_table(rows))
+    for kind in kinds[1:]:
+        print(f"{kind}: " + ", ".join(f"N={r['world_size']} {_human(r['bytes'])} {r[f'ratio_{kind}_over_gloo']:.2f}"
+                                      for r in rows) + " (speed / gloo)")
     fits = fit_rows(rows)
     print(format_latency_bandwidth(rows, fits))
     big = [r["ratio_ours_over_gloo"] for r in rows if r["bytes"] >= 4 * KB * KB]
@@ -153,7 +205,8 @@ def run_collectives_bench(args) -> int:
     if args.json:
         fit_meta = {f"{impl}@{n}": {"alpha_s": f.alpha, "beta_s_per_byte": f.beta, "rms_relative_error":
                                     f.rms_relative_error} for (impl, n), f in fits.items()}
-        write_bench_json(args.json, rows, threads_per_rank=1, alpha_beta=fit_meta)
+        write_bench_json(args.json, rows, threads_per_rank=threads or "torch default", collectives=list(kinds),
+                         start_method=start_method, alpha_beta=fit_meta)
         print(f"wrote {args.json}")
         png = os.path.splitext(args.json)[0] + ".png"
         plot_collectives(rows, fits, png)

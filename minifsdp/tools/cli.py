@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minifsdp.comm import COLLECTIVE_KINDS
 from minifsdp.tools.devices import DeviceError, add_device_argument
+
+
+def _threads(text: str) -> int | None:
+    """``--threads``: a positive count, or 'default' (None: torch's own default, the number of cores)."""
+    if text == "default":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--threads must be a count >= 1 or 'default', got {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                             "SHARD_GRAD_OP or HYBRID_SHARD)")
     p_cmp.add_argument("--world-size", type=int, default=2)
     p_cmp.add_argument("--steps", type=int, default=8)
-    p_cmp.add_argument("--collectives", choices=("torch", "ring"), default=None,
-                       help="ours' collectives: ring (our ring, the default on cpu) or torch (torch.distributed's; "
-                            "the default on cuda)")
+    p_cmp.add_argument("--collectives", choices=COLLECTIVE_KINDS, default=None,
+                       help="ours' collectives: 'ring' (tuned for gloo, the default on cpu), 'textbook' "
+                            "(comm/ring.py) or 'torch' (torch.distributed's; the default on cuda)")
     p_cmp.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     p_cmp.add_argument("--out", default="out", help="folder for the loss-curve PNG")
     add_device_argument(p_cmp)
@@ -68,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--mem-limit-mb", type=float, default=2048.0, help="scale: per-rank limit (RLIMIT_AS)")
     p_bench.add_argument("--width", type=int, default=512, help="scale: TinyGPT n_embd (depth is searched)")
     p_bench.add_argument("--max-layers", type=int, default=256, help="scale: deepest model tried")
-    p_bench.add_argument("--threads", type=int, default=1, help="overlap/precision: intra-op threads per rank")
+    p_bench.add_argument("--threads", type=_threads, default=1,
+                         help="collectives/overlap/precision: intra-op threads per rank, or 'default' (torch's)")
+    p_bench.add_argument("--collectives", default="ring",
+                         help="collectives: which of ours against gloo, comma-separated: ring (tuned), textbook")
     p_bench.add_argument("--link-ms", type=float, default=0.0,
                          help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
 

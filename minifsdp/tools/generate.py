@@ -33,6 +33,7 @@ import os
 import torch
 
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
+from minifsdp.tools.devices import add_device_argument, resolve_device
 from minifsdp.tools.train_checks import JobError, checkpoint_steps, read_job
 
 __all__ = ["load_trained", "sample", "greedy", "char_loss", "add_arguments", "run_generate"]
@@ -49,6 +50,7 @@ def add_arguments(p) -> None:
                    help="divides the logits before sampling (below 1: safer choices); 0: greedy")
     p.add_argument("--top-k", type=int, default=TOP_K, help="sample among the k most likely characters (0: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    add_device_argument(p)
 
 
 def load_trained(path: str) -> TinyGPT:
@@ -90,9 +92,10 @@ def sample(model: TinyGPT, corpus: CharCorpus, prompt: str, tokens: int, tempera
     """
     ids = [corpus.stoi.get(ch, 0) for ch in prompt] or [0]
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     out = []
     for _ in range(tokens):
-        logits = model(torch.tensor([ids[-model.cfg.block_size:]]))[0, -1]
+        logits = model(torch.tensor([ids[-model.cfg.block_size:]], device=device))[0, -1].float().cpu()
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -135,7 +138,8 @@ def run_generate(args) -> int:
                        "(--temperature 0 is greedy, --top-k 0 keeps every character)")
     if not os.path.exists(args.checkpoint):
         raise JobError(f"--checkpoint {args.checkpoint}: no such folder; give the --checkpoint-dir of a train run")
-    model = load_trained(args.checkpoint)
+    resolve_device(args.device)  # DeviceError (no GPU): names the fix
+    model = load_trained(args.checkpoint).to(args.device)
     corpus = CharCorpus(vocab_size=model.cfg.vocab_size)
     text = sample(model, corpus, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + text, flush=True)

@@ -50,7 +50,7 @@ __all__ = ["TASKS", "parse_student", "student_worker", "run_student", "add_stude
 # task -> (the exercise module, minifsdp's reference, its functions)
 TASKS = {
     "2.1a": ("exercises.fsdp_tasks", "exercises.solutions.fsdp_ops", ("flatten_and_shard", "unflatten")),
-    "2.2": ("exercises.ring_collectives", "minifsdp.comm.collectives",
+    "2.2": ("exercises.ring_collectives", "minifsdp.comm.ring",
             ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")),
     "2.5": ("exercises.overlap_tasks", "minifsdp.fsdp.core.prefetch", ("prefetch_target",)),
 }

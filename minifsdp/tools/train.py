@@ -49,9 +49,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from minifsdp.comm import COLLECTIVE_KINDS
 from minifsdp.launch import launched_by_torchrun, spawn
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
 from minifsdp.tools import train_impls as impls
+from minifsdp.tools.devices import add_device_argument, rank_device, resolve_device
 from minifsdp.tools.train_checks import JobError, check_args, checkpoint_steps
 
 __all__ = ["run_train", "train_worker", "lr_factor", "add_arguments", "JobError", "MODELS"]
@@ -64,6 +66,7 @@ PLATEAU = dict(factor=0.5, patience=10)  # halve the lr after 10 steps without a
 def add_arguments(p) -> None:
     """The flags of ``python -m minifsdp train`` (cli.py adds the subcommand)."""
     p.add_argument("--world-size", type=int, default=None, help="local ranks (default 2; under torchrun its own)")
+    add_device_argument(p)
     p.add_argument("--model", choices=tuple(MODELS), default="tiny",
                    help="TinyGPT size (tiny ~30k, mini ~0.2M, small ~0.8M)")
     p.add_argument("--steps", type=int, default=200, help="the run's total length: the schedule's horizon")
@@ -78,8 +81,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="model init; rank r's RNG starts from (seed, r)")
     p.add_argument("--impl", choices=impls.IMPLS, default="ours")
     p.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD")
-    p.add_argument("--collectives", choices=("ring", "torch"), default=None,
-                   help="ours only: our ring collectives (default) or torch.distributed's")
+    p.add_argument("--collectives", choices=COLLECTIVE_KINDS, default=None,
+                   help="ours only: our ring tuned for gloo ('ring', the default), the textbook ring "
+                        "('textbook', comm/ring.py) or torch.distributed's ('torch')")
     p.add_argument("--mixed-precision", choices=tuple(impls.DTYPES), default=None)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--checkpoint-dir", default=None)
@@ -128,11 +132,13 @@ def _add_dropout(model: TinyGPT, p: float) -> None:
         block.mlp.register_forward_hook(drop)
 
 
-def build(args):
-    """The wrapped model, AdamW over its (sharded) parameters, the scheduler and the fp16 scaler."""
-    model = TinyGPT(MODELS[args.model](), seed=args.seed)
+def build(args, device: torch.device | None = None):
+    """The wrapped model (on ``device``, default CPU), AdamW over its (sharded) parameters, the scheduler and the
+    fp16 scaler."""
+    device = device if device is not None else torch.device("cpu")
+    model = TinyGPT(MODELS[args.model](), seed=args.seed).to(device)
     _add_dropout(model, args.dropout)
-    model = impls.wrap(model, args)
+    model = impls.wrap(model, args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return model, opt, _scheduler(opt, args), impls.make_scaler(args)
 
@@ -229,7 +235,8 @@ def train_worker(args) -> dict:
     from tqdm import tqdm
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt, sched, scaler = build(args)
+    device = rank_device(getattr(args, "device", "cpu"))  # --device cuda: this rank's GPU
+    model, opt, sched, scaler = build(args, device)
     torch.manual_seed(1_000_003 * args.seed + rank)  # after wrapping: ranks draw different dropout masks
     mgr = None
     if args.checkpoint_dir is not None and args.impl == "ours":
@@ -248,7 +255,7 @@ def train_worker(args) -> dict:
     for step in range(start, stop):
         if args.profile and step == min(profiled):
             prof, tracer = _start_profile(model, args)
-        x, y = corpus.batch(step, args.batch_size, cfg.block_size, rank, world)
+        x, y = (t.to(device) for t in corpus.batch(step, args.batch_size, cfg.block_size, rank, world))
         lr = opt.param_groups[0]["lr"]
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"train step {step + 1}"):
@@ -293,7 +300,8 @@ def _start_profile(model, args):
         from minifsdp.tools.tracing import Tracer
 
         tracer = Tracer(model).__enter__()
-    prof = profile(activities=[ProfilerActivity.CPU])
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
     prof.__enter__()
     return prof, tracer
 
@@ -309,13 +317,15 @@ def _stop_profile(prof, tracer, args, rank: int) -> None:
 def run_train(args) -> int:
     """CLI entry: check every flag first (nothing started, nothing lost), then run the ranks."""
     args.job = check_args(args, MODELS, launched_by_torchrun())
-    where = "torchrun" if launched_by_torchrun() else f"{args.world_size} local ranks (gloo)"
+    placement = resolve_device(getattr(args, "device", "cpu"), args.world_size)  # DeviceError: names the fix
+    where = ("torchrun" if launched_by_torchrun() else f"{args.world_size} local ranks") + f" ({placement.describe()})"
     rank0 = not launched_by_torchrun() or os.environ.get("RANK") == "0"
     if rank0:
         resumed = f", resuming from step {args.job['resume_step']}" if args.resume else ""
         print(f"minifsdp train: TinyGPT-{args.model} on {where}, impl={args.impl}, {args.strategy}, "
               f"{args.steps} steps, {args.schedule} lr {args.lr:g} (warm-up {args.warmup}){resumed}", flush=True)
-    results = spawn(train_worker, args=(args,), world_size=args.world_size, timeout_s=600)
+    results = spawn(train_worker, args=(args,), world_size=args.world_size, timeout_s=600,
+                    backend=placement.backend)
     recs = results[0]["records"]
     if rank0 and recs:
         tps = sorted(r["tokens_per_s"] for r in recs[1:] or recs)

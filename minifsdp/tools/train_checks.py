@@ -104,8 +104,11 @@ def _check_impl(args) -> None:
     if args.impl != "ours":
         _need(args.collectives is None, f"--collectives chooses our collectives; --impl {args.impl} uses torch's own: "
               "drop --collectives")
-    elif args.collectives is None:
-        args.collectives = "ring"
+    elif args.collectives is None:  # our ring moves gloo's CPU tensors; on GPUs the collectives are NCCL's
+        args.collectives = "ring" if getattr(args, "device", "cpu") == "cpu" else "torch"
+    _need(not (getattr(args, "device", "cpu") == "cuda" and args.collectives != "torch"), "--collectives "
+          f"{args.collectives} is our ring on gloo's CPU tensors; with --device cuda the collectives are NCCL's: "
+          "use --collectives torch (the default there), or --device cpu")
     if args.strategy == "HYBRID_SHARD":
         _need(args.world_size >= 4 and args.world_size % 2 == 0, "--strategy HYBRID_SHARD shards inside pairs of "
               f"ranks and replicates across pairs: it needs an even world size >= 4, got {args.world_size}")

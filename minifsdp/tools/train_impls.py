@@ -56,8 +56,9 @@ def _process_group(strategy: str):
     return None
 
 
-def wrap(model: nn.Module, args) -> nn.Module:
-    """``model`` sharded by ``args.impl`` (one unit per Block), with mixed precision and checkpointing."""
+def wrap(model: nn.Module, args, device: torch.device | None = None) -> nn.Module:
+    """``model`` (on ``device``) sharded by ``args.impl`` (one unit per Block), with mixed precision and
+    checkpointing; torch FSDP1 gets ``device_id=device`` (on CPU it needs one)."""
     dtype = DTYPES.get(args.mixed_precision)
     if args.impl == "student":
         raise ValueError("--impl student is a comparison job of its own: python -m minifsdp train --impl student "
@@ -81,7 +82,8 @@ def wrap(model: nn.Module, args) -> nn.Module:
         model = FullyShardedDataParallel(
             model, process_group=_process_group(args.strategy), sharding_strategy=ShardingStrategy[args.strategy],
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-            mixed_precision=mp, device_id=torch.device("cpu"), use_orig_params=False)  # FSDP1 on CPU needs device_id
+            mixed_precision=mp, device_id=device if device is not None else torch.device("cpu"),
+            use_orig_params=False)
     elif args.impl == "torch-fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -114,7 +116,7 @@ def make_scaler(args):
         return ShardedGradScaler()
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    return ShardedGradScaler(device="cpu")
+    return ShardedGradScaler(device=getattr(args, "device", "cpu"))
 
 
 def clip(model: nn.Module, args) -> float:

@@ -1,4 +1,4 @@
-"""Grades tasks 2.2a-c (ring collectives): ``--impl=reference`` checks minifsdp.comm.collectives,
+"""Grades tasks 2.2a-c (ring collectives): ``--impl=reference`` checks minifsdp.comm.ring (the textbook ring),
 ``--impl=student`` the stubs in exercises/ring_collectives.py.
 
 Ranks: 3, world size 3 is the default group, world size 2 the subgroup of ranks 0 and 1.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import minifsdp
 from minifsdp.launch import RankFailedError
 
-MODULES = {"reference": "minifsdp.comm.collectives", "student": "exercises.ring_collectives"}
+MODULES = {"reference": "minifsdp.comm.ring", "student": "exercises.ring_collectives"}
 TASKS = ("2.2a", "2.2b", "2.2c")
 
 

@@ -124,6 +124,10 @@ cli_check "compare, our FSDP vs torch FSDP1" 0 '^VERDICT' \
     "${M[@]}" compare --device "$DEVICE" --world-size 1 --out "$SCRATCH/compare"
 cli_check "compare --impl fsdp2" 0 '^VERDICT' \
     "${M[@]}" compare --device "$DEVICE" --world-size 1 --impl fsdp2 --out "$SCRATCH/compare2"
+cli_check "train, 30 steps, then generate" 0 '^done: step 30/30' \
+    "${M[@]}" train --device "$DEVICE" --world-size 1 --model mini --steps 30 --checkpoint-dir "$SCRATCH/run"
+cli_check "generate from the run" 0 '^FSDP ' \
+    "${M[@]}" generate --device "$DEVICE" --checkpoint "$SCRATCH/run" --prompt "FSDP " --tokens 60
 if [[ "$DEVICE" == cuda ]]; then
     cli_check "more ranks than GPUs is refused" 2 'error: --device cuda' \
         "${M[@]}" compare --device cuda --world-size "$((NGPU + 1))" --out "$SCRATCH/compare3"

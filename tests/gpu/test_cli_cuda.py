@@ -58,6 +58,21 @@ def test_bench_fsdp_on_cuda_measures_every_trainer(tmp_path):
     assert "x FSDP1" in out and "x FSDP2" in out
 
 
+def test_train_and_generate_on_cuda(tmp_path):
+    """The first job on the GPU: ``train --device cuda`` at one rank (our FSDP, torch's collectives there),
+    a checkpoint, a resume that continues it, then ``generate --device cuda`` from the final weights."""
+    run = tmp_path / "run"
+    common = ("train", "--device", "cuda", "--world-size", "1", "--model", "mini", "--steps", "40",
+              "--checkpoint-dir", str(run), "--checkpoint-every", "20")
+    proc, out = _run(*common, "--stop-after", "20")
+    assert proc.returncode == 0, out
+    assert "cuda (" in out and "NCCL" in out, out
+    proc, out = _run(*common, "--resume")
+    assert proc.returncode == 0 and "done: step 40/40" in out, out
+    proc, out = _run("generate", "--device", "cuda", "--checkpoint", str(run), "--prompt", "FSDP ", "--tokens", "40")
+    assert proc.returncode == 0 and out.startswith("FSDP ") and len(out.strip()) >= 40, out
+
+
 def test_more_ranks_than_gpus_is_refused_with_the_fix(tmp_path):
     n = torch.cuda.device_count()
     proc, out = _run("compare", "--device", "cuda", "--world-size", str(n + 1), "--out", str(tmp_path), timeout=120)

@@ -203,7 +203,6 @@ FAULTS = [
         why="one process, no spawn: the simulated ring checks that each rank receives the chunk its left "
             "neighbour sends, and its result against the plain sum, at several N (the 8-rank spawn of the real "
             "ring hangs for 150 s under this fault)",
-        pending="the ring module is being rewritten; enable once minifsdp/comm/ring.py has reduce_scatter_chunks",
     ),
 ]
 
