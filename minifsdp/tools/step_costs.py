@@ -5,7 +5,7 @@ rest) under each way of training it, at 1, 2 and 4 ranks.  Each function here is
 on every rank of a process group that already exists (``minifsdp.spawn(fn, args, world_size=n)``, or
 the notebook kernel's own 1-rank group), and returns what this rank measured:
 
-    all_reduce_bytes(numel)   ch 2.2: bytes this rank sends in one ring all-reduce of ``numel`` fp32
+    all_reduce_bytes(numel)   ch 2.2: bytes this rank sends in one all-reduce of ``numel`` fp32 (ring or naive)
     step_bytes(kind)          ch 2.4: bytes this rank sends in one training step, on our ring collectives
     step_collectives(kind)    ch 2.4: how many collectives one forward + backward issues
     step_memory(kind)         ch 2.3: the model state after one AdamW step, the peak and its breakdown
@@ -100,12 +100,14 @@ def ready(kind: str, collectives: str = "torch") -> tuple[nn.Module, torch.optim
     return model, opt
 
 
-def all_reduce_bytes(numel: int = 2**18) -> int:
-    """Bytes this rank sends in one ring all-reduce of ``numel`` fp32 numbers (default 1 MiB)."""
-    from minifsdp.comm import count_bytes, ring_all_reduce
+def all_reduce_bytes(numel: int = 2**18, how: str = "ring") -> int:
+    """Bytes this rank sends in one all-reduce of ``numel`` fp32 numbers (default 1 MiB): ``how`` is "ring" (the
+    textbook ring, ``minifsdp/comm/ring.py``) or "naive" (the parameter-server shape; rank 0 is the root)."""
+    from minifsdp.comm import count_bytes, naive_all_reduce
+    from minifsdp.comm.ring import ring_all_reduce
 
     with count_bytes() as sent:
-        ring_all_reduce(torch.ones(numel))
+        {"ring": ring_all_reduce, "naive": naive_all_reduce}[how](torch.ones(numel))
     return sent.sent
 
 
