@@ -6,6 +6,8 @@ still caught.
 """
 
 import ast
+import json
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "minifsdp"
@@ -200,3 +202,51 @@ def test_the_readme_map_names_every_module():
     assert not missing, f"modules the README's map does not name: {missing}"
     gone = sorted(p for p in shown if p.endswith(".py") and p not in modules)
     assert not gone, f"the README's map names modules that do not exist: {gone}"
+
+
+ROOT = PKG.parent
+_PATH = re.compile(r"(?<![\w/.])((?:minifsdp|tests|notebooks|exercises|chapters)/[\w./-]+\.(?:py|ipynb|md|json|txt|png|sh))"
+                   r"(?:::(\w+))?")
+
+
+def _named_paths(text: str) -> list[tuple[str, str | None]]:
+    """Every repository file a text names (``tests/test_x.py`` or ``tests/test_x.py::test_y``)."""
+    return [(m.group(1), m.group(2)) for m in _PATH.finditer(text)]
+
+
+def _missing(text: str) -> list[str]:
+    out = []
+    for path, test in _named_paths(text):
+        file = ROOT / path
+        if not file.exists():
+            out.append(path)
+        elif test and not re.search(rf"^\s*(?:async )?def {test}\b", file.read_text(), re.M):
+            out.append(f"{path}::{test}")
+    return out
+
+
+def _prose_files() -> list[Path]:
+    return sorted([ROOT / "README.md", *(ROOT / "chapters").glob("*.md"), *(ROOT / "exercises").rglob("*.md"),
+                   *(ROOT / "notebooks").glob("*.ipynb")])
+
+
+def _prose(file: Path) -> str:
+    """A Markdown file's text; a notebook's Markdown cells (its code builds paths the regex cannot judge)."""
+    if file.suffix != ".ipynb":
+        return file.read_text()
+    cells = json.loads(file.read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+def test_every_file_and_test_the_prose_names_exists():
+    """Chapters, exercise texts and the README send the learner to files and tests: each must be there."""
+    files = _prose_files()
+    assert len(files) >= 13 and sum(len(_named_paths(_prose(f))) for f in files) > 50  # the texts were read
+    missing = {str(f.relative_to(ROOT)): m for f in files if (m := _missing(_prose(f)))}
+    assert not missing, f"paths named in the prose that do not exist (renamed or moved?): {missing}"
+
+
+def test_the_path_check_catches_a_moved_file_and_a_renamed_test():
+    assert _missing("read `minifsdp/fsdp/core/handle.py` and `tests/test_layout.py::test_no_import_cycles`") == []
+    assert _missing("see tests/test_fsdp_hardening.py") == ["tests/test_fsdp_hardening.py"]
+    assert _missing("see tests/test_layout.py::test_gone") == ["tests/test_layout.py::test_gone"]
