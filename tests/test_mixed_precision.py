@@ -153,3 +153,36 @@ def test_fp16_small_gradients_at_4_ranks_bitwise_vs_torch_fsdp1(fp16_four_ranks,
         numbers = np.concatenate([v for g in rec["torch"]["grads"] for _, v in g.values() if v is not None])
         small = (numbers != 0) & (np.abs(numbers) < 2.0 ** -10)
         assert small.mean() > 0.5, "the gradients must be small for fp16 rounding to matter"
+
+
+def test_input_cast_walks_the_nest_as_torch_does():
+    """The inputs' cast, against torch's own (``torch.distributed.utils._cast_forward_inputs``, what FSDP1's root
+    and FSDP2's ``fully_shard`` call): floating tensors inside tuples, lists, dicts, namedtuples and dataclasses
+    become ``param_dtype``; integer tensors and non-tensors stay.  Exact: a cast is a cast."""
+    import collections
+    import dataclasses
+
+    import torch
+    from torch.distributed.utils import _cast_forward_inputs
+
+    from minifsdp.fsdp.core.mixed_precision import cast_floating
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        ids: torch.Tensor
+        note: str
+
+    Pair = collections.namedtuple("Pair", "a b")
+    args = (torch.randn(2, 3), [torch.randn(2), 7], Pair(torch.randn(1), torch.arange(3)),
+            {"mask": torch.ones(2, dtype=torch.bool), "h": torch.randn(4)}, Batch(torch.randn(3), torch.arange(2), "n"))
+    ours = cast_floating(args, torch.bfloat16)
+    theirs, _ = _cast_forward_inputs(torch.bfloat16, *args)
+    flat_ours, flat_theirs = [], []
+    for tree, flat in ((ours, flat_ours), (theirs, flat_theirs)):
+        torch.distributed.utils._apply_to_tensors(lambda t, flat=flat: flat.append(t) or t, tree)
+    assert len(flat_ours) == len(flat_theirs) == 8
+    for a, b in zip(flat_ours, flat_theirs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert ours[4].x.dtype == torch.bfloat16 and ours[4].ids.dtype == torch.int64 and ours[4].note == "n"
+    assert isinstance(ours[2], Pair) and ours[1][1] == 7 and cast_floating(args, None) is args

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["map_tensors", "tensors_in", "cast_floating"]
+__all__ = ["map_tensors", "tensors_in"]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
@@ -49,13 +49,3 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_tensors(lambda t: found.append(t) or t, tree)
     return found
-
-
-def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
-    """Every floating-point tensor in ``tree`` cast to ``dtype`` (others untouched); ``None``: no cast.
-
-    FSDP1's ``minifsdp.fsdp.core.mixed_precision.cast_floating`` does the same over ``torch.utils._pytree``,
-    which leaves dataclasses alone; FSDP2 casts inside them too, as torch's."""
-    if dtype is None:
-        return tree
-    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import tree_map
+from torch.distributed.utils import _apply_to_tensors
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ def resolve_dtypes(mp: MixedPrecision | None, orig: torch.dtype) -> UnitDtypes:
 
 
 def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
-    """Every floating-point tensor in a nest of tuples/lists/dicts cast to ``dtype`` (others untouched)."""
+    """Every floating-point tensor in a nest (tuples, lists, dicts, namedtuples, dataclasses) cast to ``dtype``,
+    others untouched; torch's own walk of the nest, the one both FSDP generations cast with."""
     if dtype is None:
         return tree
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
-                    and x.dtype != dtype else x, tree)
+    return _apply_to_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)
