@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
 from minifsdp.fsdp.core.mixed_precision import cast_floating
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
 from minifsdp.fsdp2.nest import tensors_in
 from minifsdp.fsdp2.param_group import CommContext, FSDPParamGroup, TrainingState
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.distributed.utils import _apply_to_tensors
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 @dataclass(frozen=True)
