@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests._workers_torch_api import Side, batch, full_params, mlp
+from tests._workers_torch_api import Side, batch, full_params, mlp, train
 
 
 def error_line(fn):
@@ -214,4 +214,48 @@ def case_nonuniform_req_grad(api, with_step: bool):
         scaler.update()
         out["scale"] = scaler.get_scale()
     out["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+# ---------------------------------------------------------------- a plain root above FSDP units
+class _PlainRoot(torch.nn.Module):
+    """A plain module whose children are FSDP units (one with nested units), a plain Linear and a BatchNorm."""
+
+    def __init__(self, api, seed: int, orig: bool):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = api.wrap(mlp(seed), use_orig_params=orig)
+        self.head = api.wrap(torch.nn.Linear(3, 3), auto_wrap=False, use_orig_params=orig)
+        self.plain = torch.nn.Linear(3, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return self.norm(self.plain(self.head(self.body(x))))
+
+
+def case_plain_root_state_dict(api, kind: str, orig: bool):
+    """``root.state_dict()`` / ``root.load_state_dict(sd)`` where ``root`` is a plain module above FSDP units,
+    under each ``StateDictType``: a trained model's dict loaded into a fresh one (other seed), which then trains
+    on; also a dict with an extra key, and one with a key missing (strict)."""
+    from torch.distributed.fsdp import StateDictType
+
+    sdt = getattr(StateDictType, kind)
+    trained = _PlainRoot(api, 0, orig)
+    losses = train(trained, torch.optim.SGD(trained.parameters(), lr=0.1), steps=2)
+    with api.FSDP.state_dict_type(trained, sdt):
+        sd = trained.state_dict()
+    fresh = _PlainRoot(api, 1, orig)
+    out = {"keys": list(sd), "losses": losses}
+    with api.FSDP.state_dict_type(fresh, sdt):
+        result = fresh.load_state_dict(sd)
+        out["result"] = (list(result.missing_keys), list(result.unexpected_keys))
+        extra = dict(sd, extra_key=torch.zeros(1))
+        out["extra"] = error_line(lambda: fresh.load_state_dict(extra))[0]
+        missing = {k: v for k, v in sd.items() if k != "plain.bias"}
+        out["missing"] = error_line(lambda: fresh.load_state_dict(missing))[0]
+        out["missing_lax"] = list(fresh.load_state_dict(missing, strict=False).missing_keys)
+    out["resumed_losses"] = train(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), steps=2, first=2)
+    out["more_losses"] = train(trained, torch.optim.SGD(trained.parameters(), lr=0.1), steps=2, first=2)
+    with api.FSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
+        out["full"] = {k: v.clone() for k, v in fresh.state_dict().items()}
     return out

@@ -145,6 +145,7 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         self._reshard_only_hook = None  # a frozen unit's post-backward, on its inputs (backward_extras.py)
         self._free_token = None  # the free-before-concat hook of this iteration (backward_extras.py)
         self._versions_at_forward = None  # the root's: shard versions at a forward that awaits its backward
+        self.register_load_state_dict_pre_hook(sd_type.load_under_a_plain_parent)  # a plain root above us
         install_optimizer_check()
 
     def _auto_wrap(self, module: nn.Module, policy, kwargs: dict) -> None:

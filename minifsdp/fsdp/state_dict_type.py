@@ -269,3 +269,32 @@ def _load_local(root, state_dict, strict: bool) -> _IncompatibleKeys:
             else:
                 m._buffers[name].copy_(v)
     return _IncompatibleKeys(missing, unexpected)
+
+
+def load_under_a_plain_parent(unit, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+    """A load pre-hook: ``parent.load_state_dict(sd)`` where ``parent`` is a plain module and ``unit`` one of its
+    FSDP children (torch's FSDP1 loads this way too).
+
+    ``nn.Module.load_state_dict`` never calls a child's ``load_state_dict``; it walks the tree calling each
+    module's ``_load_from_state_dict`` with its raw names (``0._fsdp_wrapped_module._flat_param``), which are not
+    the names ``state_dict()`` gave (``0.weight``).  So the unit's keys are taken out and loaded here by
+    :func:`load_typed_state_dict`, and the walk is handed the unit's own tensors under its raw names: copying a
+    tensor onto itself changes nothing, and a nested unit finding its own tensors there knows it is loaded."""
+    params = nn.Module.named_parameters(unit, prefix=prefix.rstrip("."), remove_duplicate=False)
+    ours = dict((*params, *_persistent_buffers(unit, prefix)))
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    if keys and all(state_dict[k] is ours.get(k) for k in keys):
+        return  # an enclosing unit loaded this one
+    sub = OrderedDict((k[len(prefix):], state_dict.pop(k)) for k in keys)
+    result = load_typed_state_dict(unit, sub, strict=False)
+    missing_keys.extend(prefix + k for k in result.missing_keys)
+    unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+    state_dict.update(ours)
+
+
+def _persistent_buffers(unit: nn.Module, prefix: str):
+    for path, m in nn.Module.named_modules(unit, prefix=prefix.rstrip("."), remove_duplicate=False):
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                yield (f"{path}.{name}" if path else name), b
