@@ -259,3 +259,57 @@ def case_plain_root_state_dict(api, kind: str, orig: bool):
     with api.FSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
         out["full"] = {k: v.clone() for k, v in fresh.state_dict().items()}
     return out
+
+
+# ---------------------------------------------------------------- use_orig_params write-back
+def _first_linear(model):
+    return next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def case_writeback(api, strategy: str, how: str):
+    """use_orig_params=True: after a step the user gives the first Linear's weight new storage (``.data =``), a
+    new Parameter under its name, or a new ``.grad`` before the step; training then goes on (a new optimizer over
+    ``model.parameters()``).  Also what each name's shape is right after a forward, before its backward."""
+    model = api.wrap(mlp(0), use_orig_params=True, sharding_strategy=getattr(api.ShardingStrategy, strategy))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"losses": train(model, opt, steps=1)}
+    lin = _first_linear(model)
+    if how == "data":
+        lin.weight.data = lin.weight.detach() * 2 + 1
+    elif how == "param":
+        lin.weight = torch.nn.Parameter(lin.weight.detach() * 2 + 1)
+    elif how == "grad":
+        x, y = batch(7, dist.get_rank())
+        F.mse_loss(model(x), y).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = p.grad * 3  # new storage
+        opt.step()
+        opt.zero_grad()
+    x, y = batch(8, dist.get_rank())
+    loss = F.mse_loss(model(x), y)
+    out["shapes_after_forward"] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    loss.backward()
+    out["shapes_after_backward"] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.step()
+    opt.zero_grad()
+    out["losses"] += train(model, opt, steps=2, first=2)
+    out["full"] = full_params(api, model)
+    return out
+
+
+def case_writeback_errors(api, how: str):
+    """Where torch FSDP1 refuses a write-back: a piece of another shape (FULL_SHARD, at the next forward), and
+    any change between forward and backward under SHARD_GRAD_OP (at the backward)."""
+    strategy = api.ShardingStrategy.SHARD_GRAD_OP if how == "between" else api.ShardingStrategy.FULL_SHARD
+    model = api.wrap(mlp(0), use_orig_params=True, sharding_strategy=strategy)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
+    x, y = batch(8, dist.get_rank())
+    lin = _first_linear(model)
+    if how == "shape":
+        lin.weight.data = torch.zeros(lin.weight.numel() + 1)
+        return error_line(lambda: F.mse_loss(model(x), y).backward())[0]
+    loss = F.mse_loss(model(x), y)
+    lin.weight.data = lin.weight.detach() * 2
+    return error_line(lambda: loss.backward())[0]

@@ -158,3 +158,26 @@ def test_state_dict_through_a_plain_root_loads_as_torch(kind, orig):
         assert r["ours"]["result"] == ([], []) and r["ours"]["extra"] == r["ours"]["missing"] == "RuntimeError"
         assert r["ours"]["missing_lax"] == ["plain.bias"]
         assert r["ours"]["resumed_losses"] == r["ours"]["more_losses"]
+
+
+@pytest.mark.parametrize("how", ["data", "param", "grad"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_use_orig_params_writes_back_what_the_user_changed_as_torch(strategy, how):
+    """use_orig_params=True: a weight given new storage, a new Parameter under its name, or new gradients
+    between steps are written back into the flat shard before the next all-gather, as torch FSDP1's
+    ``_writeback_orig_params``: the losses after it, the full parameters, and every name's shape after a forward
+    (SHARD_GRAD_OP keeps full shapes until the backward) are bitwise torch's."""
+    rs = run("writeback", strategy, how)
+    ours = rs[0]["ours"]
+    assert len(ours["losses"]) == 3 and len(ours["full"]) == 6
+    full_shapes = strategy != "FULL_SHARD"  # the forward's views kept (SHARD_GRAD_OP); NO_SHARD's are whole
+    assert all((len(shape) == 2) == (full_shapes and name.endswith("weight"))
+               for name, shape in ours["shapes_after_forward"])
+
+
+@pytest.mark.parametrize("how", ["shape", "between"])
+def test_use_orig_params_refuses_a_write_back_as_torch(how):
+    """A piece of another shape raises RuntimeError at the next forward; changing a parameter between forward
+    and backward under SHARD_GRAD_OP raises AssertionError at the backward: torch FSDP1's errors, on both ranks."""
+    rs = run("writeback_errors", how)
+    assert [r["ours"] for r in rs] == [{"shape": "RuntimeError", "between": "AssertionError"}[how]] * 2

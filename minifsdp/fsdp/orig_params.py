@@ -22,6 +22,13 @@ Note (alignment): torch aligns each original to 16 bytes in the flat buffer when
 Note (frozen originals): a unit may mix frozen and trainable originals; a frozen one's view
 is detached, gets no gradient, and the optimizer skips it.  ``p.requires_grad_(False)``
 after wrapping works too (read again at every root forward).
+
+Note (write-back, as torch's ``_writeback_orig_params``): between steps a user may give an original
+new storage (``p.data = t``, ``p.grad = g``) or put a new ``nn.Parameter`` under its name.  Before every
+all-gather the handle copies such a tensor into the flat shard (and a gradient into the flat gradient),
+so the all-gather sends what the user sees; a piece of another shape is an error.  SHARD_GRAD_OP keeps
+the forward's full-shape views until the backward (torch's "skipped sharded views"): changing them in
+between is an error too.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch.nn as nn
 from minifsdp.fsdp.core.flat_param import unflatten
 from minifsdp.fsdp.core.gradient import UnitGradient, set_grad
 from minifsdp.fsdp.core.state import GradState
+from minifsdp.fsdp.core.strategy import ShardingStrategy
 from minifsdp.fsdp.torch_handle import TorchHandle
 
 __all__ = ["OrigParamHandle", "OrigParamGradient", "set_tensor_attr", "clear_tensor_attr"]
@@ -61,6 +69,24 @@ def set_tensor_attr(module: nn.Module, name: str, t: torch.Tensor) -> None:
 def clear_tensor_attr(module: nn.Module, name: str) -> None:
     """Undo :func:`set_tensor_attr`: ``module.<name>`` is the registered parameter (if any) again."""
     module.__dict__.pop(name, None)
+
+
+KEEPS_VIEWS_AFTER_FORWARD = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _checked(t: torch.Tensor, numel: int, sharded: bool, fqn: str, what: str) -> torch.Tensor:
+    """``t`` flattened for the write-back, if it has the piece's shape (sharded: 1-D of ``numel``)."""
+    flat = t if sharded else t.reshape(-1)
+    if flat.shape != torch.Size([numel]):
+        raise RuntimeError(f"Cannot writeback when the {what} shape changes: {fqn!r} expects "
+                           f"{torch.Size([numel])} but got {t.shape} (torch FSDP1 raises this too). With "
+                           "use_orig_params=True each rank's original is its 1-D piece of the shard; assign a "
+                           "tensor of that shape, or change the full parameter inside FSDP.summon_full_params.")
+    return flat
 
 
 class OrigParamGradient(UnitGradient):
@@ -123,6 +149,7 @@ class OrigParamHandle(TorchHandle):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.gradient = OrigParamGradient(self)
+        self.forward_views = None  # SHARD_GRAD_OP after a forward with grad: the full views the names still are
 
     def take_over_params(self) -> None:
         """The originals stay, their ``.data`` a view of this rank's shard; each module registers its own
@@ -148,10 +175,12 @@ class OrigParamHandle(TorchHandle):
         """Views of the full buffer (a frozen original's detached); in the forward registered too, so that
         ``named_parameters()`` inside it yields them (full shapes, plain tensors), as torch's."""
         views = unflatten(self.unsharded, self.layout)
+        self.forward_views = []
         for slot, v in zip(self.layout.slots, views):
             if not slot.param.requires_grad:
                 v = v.detach()
             set_tensor_attr(slot.module, slot.name, v)
+            self.forward_views.append(v)
             if in_forward:
                 slot.module._parameters[slot.name] = v
         for sh in self.layout.shared:
@@ -161,6 +190,7 @@ class OrigParamHandle(TorchHandle):
 
     def use_sharded_views(self) -> None:
         """Between uses: each original, registered again, is a 1-D view of its piece of the local shard."""
+        self.forward_views = None
         for slot in self.layout.slots + self.layout.shared:
             clear_tensor_attr(slot.module, slot.name)
         for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
@@ -171,7 +201,57 @@ class OrigParamHandle(TorchHandle):
             sh.module._parameters[sh.name] = self.layout.slots[sh.primary].param
 
     def after_forward(self) -> None:
+        """As torch: a unit that keeps its full parameters after the forward (SHARD_GRAD_OP) with autograd on
+        keeps the forward's views too, so ``p.shape`` is the full shape until the backward."""
+        if torch.is_grad_enabled() and self.strategy in KEEPS_VIEWS_AFTER_FORWARD:
+            return
         self.use_sharded_views()
+
+    def start_unshard(self, prefetch: bool = False) -> None:
+        self.write_back_originals()
+        super().start_unshard(prefetch)
+
+    def write_back_originals(self) -> None:
+        """Copy into the flat shard (and flat gradient) every original the user gave new storage since the
+        last use, or replaced by a new ``nn.Parameter``; raise where torch FSDP1 raises."""
+        if self.forward_views is not None and self.strategy in KEEPS_VIEWS_AFTER_FORWARD:
+            for slot, v in zip(self.layout.slots, self.forward_views, strict=True):
+                now = getattr(slot.module, slot.name)
+                if now is not v or not _same_storage(now, self.unsharded):
+                    raise AssertionError(
+                        f"FSDP does not support changing the parameters between forward and backward for "
+                        f"{self.strategy} ({slot.fqn!r} changed; torch FSDP1 raises this too). Change parameters "
+                        "after the backward, or use FULL_SHARD, which reshards after the forward.")
+            return
+        flat = self.flat_param
+        for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces(), strict=True):
+            now = slot.module._parameters.get(slot.name)
+            if hi <= lo or now is None:
+                continue  # none of it on this rank, or deregistered for now (activation checkpointing)
+            if now is not slot.param:
+                slot.param = now  # a new Parameter under the name is the original from now on
+            if not _same_storage(now, flat):
+                flat.data[lo:hi].copy_(_checked(now.detach(), hi - lo, self.sharded, slot.fqn, "parameter"))
+                now.data = flat.data[lo:hi] if self.sharded else flat.data[lo:hi].view(slot.shape)
+            if self.gradient.state is GradState.SHARD:  # (no_sync: the grads are views of the full gradient)
+                self._write_back_grad(slot, lo, hi)
+        for sh in self.layout.shared:
+            if sh.module._parameters.get(sh.name) is not self.layout.slots[sh.primary].param:
+                raise NotImplementedError(f"Changing shared parameters is not supported ({sh.fqn!r} no longer "
+                                          "is the parameter it was tied to; torch FSDP1 raises this too).")
+
+    def _write_back_grad(self, slot, lo: int, hi: int) -> None:
+        flat, g = self.flat_param, slot.param.grad
+        if g is None:
+            if flat.grad is not None:
+                flat.grad[lo:hi].zero_()  # as torch: a gradient set to None is zeros in the flat gradient
+            return
+        if flat.grad is not None and _same_storage(g, flat.grad):
+            return
+        if flat.grad is None:
+            flat.grad = torch.zeros_like(flat)
+        flat.grad[lo:hi].copy_(_checked(g, hi - lo, self.sharded, slot.fqn, "gradient"))
+        set_grad(slot.param, flat.grad[lo:hi].view(slot.param.shape))
 
     def before_backward(self) -> None:
         self.use_unsharded_views()
