@@ -205,8 +205,8 @@ def test_the_readme_map_names_every_module():
 
 
 ROOT = PKG.parent
-_PATH = re.compile(r"(?<![\w/.])((?:minifsdp|tests|notebooks|exercises|chapters)/[\w./-]+\.(?:py|ipynb|md|json|txt|png|sh))"
-                   r"(?:::(\w+))?")
+_PATH = re.compile(r"(?<![\w/.])((?:minifsdp|tests|notebooks|exercises|chapters)/[\w./-]+"
+                   r"\.(?:py|ipynb|md|json|txt|png|sh))(?:::(\w+))?")
 
 
 def _named_paths(text: str) -> list[tuple[str, str | None]]:
