@@ -313,3 +313,25 @@ def case_writeback_errors(api, how: str):
     loss = F.mse_loss(model(x), y)
     lin.weight.data = lin.weight.detach() * 2
     return error_line(lambda: loss.backward())[0]
+
+
+def case_two_optimizers(api, strategy: str):
+    """use_orig_params=True with two optimizers over one model (SGD on the weights, Adam on the biases), one
+    zeroing its gradients to None and the other to zeros, as torch's own test of it does."""
+    model = api.wrap(mlp(0), use_orig_params=True, sharding_strategy=getattr(api.ShardingStrategy, strategy))
+    named = list(model.named_parameters())
+    weights = [p for n, p in named if n.endswith("weight")]
+    biases = [p for n, p in named if n.endswith("bias")]
+    opts = [(torch.optim.SGD(weights, lr=0.1), True), (torch.optim.Adam(biases, lr=0.01), False)]
+    out = {"losses": [], "grads": []}
+    for step in range(3):
+        x, y = batch(step, dist.get_rank())
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["grads"].append(_grads(model))
+        for opt, to_none in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=to_none)
+    out["full"] = full_params(api, model)
+    return out

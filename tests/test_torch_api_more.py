@@ -181,3 +181,11 @@ def test_use_orig_params_refuses_a_write_back_as_torch(how):
     and backward under SHARD_GRAD_OP raises AssertionError at the backward: torch FSDP1's errors, on both ranks."""
     rs = run("writeback_errors", how)
     assert [r["ours"] for r in rs] == [{"shape": "RuntimeError", "between": "AssertionError"}[how]] * 2
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_two_optimizers_over_one_model_as_torch(strategy):
+    """use_orig_params=True, two optimizers over disjoint parameters, one zeroing to None and one to zeros:
+    losses, every gradient and the full parameters after 3 steps bitwise torch FSDP1's."""
+    rs = run("two_optimizers", strategy)
+    assert len(rs[0]["ours"]["losses"]) == 3 and len(rs[0]["ours"]["grads"][0]) == 6
