@@ -335,3 +335,21 @@ def case_two_optimizers(api, strategy: str):
             opt.zero_grad(set_to_none=to_none)
     out["full"] = full_params(api, model)
     return out
+
+
+def case_summon_with_grads_edit(api, strategy: str, writeback: bool):
+    """``summon_full_params(with_grads=True)`` after a backward: the full gradients seen inside, each doubled in
+    place there; then the gradients after the context and the parameters after an SGD step."""
+    model = api.wrap(mlp(0), use_orig_params=True, sharding_strategy=getattr(api.ShardingStrategy, strategy))
+    x, y = batch(0, dist.get_rank())
+    F.mse_loss(model(x), y).backward()
+    out = {}
+    with api.FSDP.summon_full_params(model, with_grads=True, writeback=writeback):
+        out["inside"] = _grads(model)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(2)
+    out["after"] = _grads(model)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    out["full"] = full_params(api, model)
+    return out

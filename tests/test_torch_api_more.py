@@ -189,3 +189,13 @@ def test_two_optimizers_over_one_model_as_torch(strategy):
     losses, every gradient and the full parameters after 3 steps bitwise torch FSDP1's."""
     rs = run("two_optimizers", strategy)
     assert len(rs[0]["ours"]["losses"]) == 3 and len(rs[0]["ours"]["grads"][0]) == 6
+
+
+@pytest.mark.parametrize(("strategy", "writeback"), [("FULL_SHARD", True), ("FULL_SHARD", False),
+                                                     ("NO_SHARD", True)])
+def test_summon_with_grads_edits_as_torch(strategy, writeback):
+    """Gradients edited inside ``summon_full_params(with_grads=True)``: written back into the shards' gradients
+    with ``writeback=True``, dropped without; kept under NO_SHARD (the gradients are the flat gradient's views);
+    the gradients after and the parameters after a step bitwise torch FSDP1's."""
+    rs = run("summon_with_grads_edit", strategy, writeback)
+    assert len(rs[0]["ours"]["inside"]) == len(rs[0]["ours"]["after"]) == 6

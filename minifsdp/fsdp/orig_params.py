@@ -267,29 +267,36 @@ class OrigParamHandle(TorchHandle):
     def drop_full_params(self) -> None:
         self.use_sharded_views()
 
-    def show_full_grads(self) -> list:
+    def show_full_grads(self) -> tuple | None:
         """summon_full_params(with_grads=True): each original's ``.grad`` becomes its full gradient (collective:
         the shards' gradients all-gathered, zeros for a rank that has none; None everywhere if no rank has one,
-        as torch).  Returns the shards' gradients, for :meth:`restore_grads`."""
+        as torch).  Returns the shards' gradients and the full one, for :meth:`restore_grads`.  NO_SHARD: the
+        gradients are whole already, views of the flat gradient, and stay so (an edit inside is kept, as torch)."""
+        if not self.sharded:
+            return None
         before = [s.param.grad for s in self.layout.slots]
-        local = torch.zeros(self.layout.shard_numel if self.sharded else self.layout.numel,
-                            dtype=self.flat_param.dtype, device=self.flat_param.device)
-        for (lo, hi), g in zip(self.local_pieces(), before):
+        local = torch.zeros(self.layout.shard_numel, dtype=self.flat_param.dtype, device=self.flat_param.device)
+        for (lo, hi), g in zip(self.local_pieces(), before, strict=True):
             if g is not None and hi > lo:
                 local[lo:hi] = g.reshape(-1)
         has = torch.tensor([float(any(g is not None for g in before))], device=local.device)
-        if self.sharded:
-            self.comm.all_reduce(has, group=self.groups.shard, async_op=True).wait()
+        self.comm.all_reduce(has, group=self.groups.shard, async_op=True).wait()
         if has.item() == 0:
-            return before
-        full = local
-        if self.sharded:
-            full = torch.empty(self.layout.padded_numel, dtype=local.dtype, device=local.device)
-            self.comm.all_gather(full, local, group=self.groups.shard, async_op=True).wait()
-        for slot, v in zip(self.layout.slots, unflatten(full[: self.layout.numel], self.layout)):
+            return before, None
+        full = torch.empty(self.layout.padded_numel, dtype=local.dtype, device=local.device)
+        self.comm.all_gather(full, local, group=self.groups.shard, async_op=True).wait()
+        for slot, v in zip(self.layout.slots, unflatten(full[: self.layout.numel], self.layout), strict=True):
             slot.param.grad = v if slot.param.requires_grad else None
-        return before
+        return before, full
 
-    def restore_grads(self, before: list) -> None:
-        for slot, g in zip(self.layout.slots, before):
+    def restore_grads(self, saved: tuple | None, writeback: bool) -> None:
+        """The shards' gradients back; with ``writeback``, first updated from the full gradient (an edit made
+        inside summon is kept, as torch's ``_writeback_to_local_shard``)."""
+        if saved is None:
+            return
+        before, full = saved
+        start = self.layout.shard_range(self.rank)[0]
+        for slot, g, (lo, hi) in zip(self.layout.slots, before, self.local_pieces(), strict=True):
+            if writeback and full is not None and g is not None and hi > lo:
+                g.view(-1).copy_(full[start + lo:start + hi])
             slot.param.grad = g
