@@ -65,7 +65,8 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
 
     ``with_grads=True`` (``use_orig_params=True`` only, as torch): each parameter's ``.grad`` is the
     full gradient too (all-gathered; zeros where a rank had none); the shards' gradients come back
-    on exit, updated from the full ones with ``writeback`` (an edit inside is kept, as torch).  ``offload_to_cpu``: the full parameters are on the CPU already when the model is.
+    on exit, updated from the full ones with ``writeback`` (an edit inside is kept, as torch).
+    ``offload_to_cpu``: the full parameters are on the CPU already when the model is.
     """
     inside = units_with_params(module) if recurse else [module] if is_unit(module) and module._handle else []
     if with_grads and (offload_to_cpu or any(not u._handle.use_orig_params for u in units_with_params(module))):
