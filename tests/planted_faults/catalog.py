@@ -185,7 +185,7 @@ FAULTS = [
         name="fully_shard_copy_out_offset",
         plants="fully_shard's all-gather copy-out never advances its offset: every parameter reads the first one's "
                "columns",
-        target="minifsdp.fsdp2.param_group:FSDPParamGroup.unshard",
+        target="minifsdp.fsdp2.param_group:FSDPParamGroup.wait_for_unshard",
         old="offset += n",
         new="pass",
         test="tests/test_fsdp2.py::test_parity_with_torch_fsdp2_world_3",
