@@ -40,6 +40,9 @@ updated shards again instead of computing with the old full weights.
 parameters, as torch's), so they always see the sharded DTensors, also right after a forward that kept the
 full parameters (``reshard_after_forward=False``).
 
+A group whose parameters define all-gather extension hooks, or mix dtypes, gathers through
+:class:`~minifsdp.fsdp2.extensions.GroupGather` instead (several inputs per parameter, one byte buffer).
+
 Note (collectives): ``comm`` is :func:`minifsdp.comm.get_collectives` -- ``"torch"`` (torch.distributed's
 ``all_gather_single`` / ``reduce_scatter_single``, the ones torch FSDP2 calls, hence bitwise parity) or
 ``"ring"`` (our hand-written ring over send/recv; sums in another order, so equal only to rounding).
