@@ -86,11 +86,11 @@ class Extension:
         self.input_sizes = [t.size() for t in inputs]
         return [t.view(-1) for t in inputs]
 
-    def alloc_outputs(self, inputs: list[torch.Tensor], world: int, device) -> list[torch.Tensor]:
-        """The gathered outputs, made at the first gather (one per input: N times its numel, its dtype),
-        their storages allocated again after a free."""
+    def alloc_outputs(self, inputs: list[tuple[int, torch.dtype]], world: int, device) -> list[torch.Tensor]:
+        """The gathered outputs, made at the first gather (one per input ``(numel, dtype)``: N times its numel,
+        its dtype), their storages allocated again after a free."""
         if not self.outputs:
-            self.outputs = [torch.empty(world * t.numel(), dtype=t.dtype, device=device) for t in inputs]
+            self.outputs = [torch.empty(world * numel, dtype=dtype, device=device) for numel, dtype in inputs]
         for t in self.outputs:
             _alloc(t)
         return self.outputs
@@ -145,9 +145,10 @@ class GroupGather:
     Made by :meth:`start` (the pre hooks, the copy-in and the collective), finished by :meth:`copy_out` (the
     outputs, the post hooks), as ``FSDPParamGroup.unshard`` / ``wait_for_unshard`` split the plain gather."""
 
-    def __init__(self, params: list[FSDPParam], inputs: list[list[torch.Tensor]], buffer: torch.Tensor,
-                 sizes: list[int], world: int):
-        self.params, self.inputs, self.buffer, self.sizes, self.world = params, inputs, buffer, sizes, world
+    def __init__(self, params: list[FSDPParam], inputs: list[list[tuple[int, torch.dtype]]], buffer: torch.Tensor,
+                 sizes: list[int], as_bytes: bool, world: int):
+        self.params, self.inputs, self.buffer, self.sizes = params, inputs, buffer, sizes
+        self.as_bytes, self.world = as_bytes, world  # as_bytes: the inputs' dtypes differ, the buffer is uint8
 
     @classmethod
     @torch.no_grad()
@@ -166,24 +167,23 @@ class GroupGather:
             dst.copy_(src)
         if world > 1:
             comm.all_gather(buffer, mine, group=group)
-        return cls(params, inputs, buffer, sizes, world)
+        kept = [[(t.numel(), t.dtype) for t in ts] for ts in inputs]  # not the inputs: they may be freed now
+        return cls(params, kept, buffer, sizes, as_bytes, world)
 
     @torch.no_grad()
     def copy_out(self) -> None:
         """Each input's columns of the N rows into its output; then each extension's post hook."""
         rows = self.buffer.view(self.world, -1)
-        as_bytes = self.buffer.dtype == torch.uint8 and any(t.dtype != torch.uint8 for ts in self.inputs for t in ts)
         columns = iter(rows.split(self.sizes, dim=1))
         for p, inputs in zip(self.params, self.inputs, strict=True):
             if p.extension is None:  # a plain parameter: its N chunks, typed again, into its full buffer
                 got = next(columns)
-                typed = got.contiguous().view(inputs[0].dtype) if as_bytes else got
-                p.copy_out(typed, 0, inputs[0].numel())
+                numel, dtype = inputs[0]
+                p.copy_out(got.contiguous().view(dtype) if self.as_bytes else got, 0, numel)
                 continue
             outputs = p.extension.alloc_outputs(inputs, self.world, rows.device)
             with torch.autograd._unsafe_preserve_version_counter(tuple(outputs)):
                 for out in outputs:
                     dst = out.view(self.world, -1)
-                    (dst.view(torch.uint8) if as_bytes else dst).copy_(next(columns))
+                    (dst.view(torch.uint8) if self.as_bytes else dst).copy_(next(columns))
             p.extension.post_all_gather(p)
-        self.inputs = []
