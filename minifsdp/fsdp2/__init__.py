@@ -14,6 +14,7 @@ accumulation, bf16 mixed precision, explicit prefetch and HSDP on a 2-D mesh; an
     param.py            one sharded parameter: padded dim-0 rows under a torch DTensor (``Shard(0)``) label
     nest.py             the tensors inside inputs and outputs (tuples, dicts, namedtuples, dataclasses)
     param_group.py      the parameters of one call: one all-gather, one reduce-scatter, state enums
+    extensions.py       all-gather extensions (``fsdp_pre/post_all_gather``): several inputs and dtypes per group
     state.py            one call's state and hooks; the root's lazy init and end of backward
     api.py              ``FSDPModule``'s methods (unshard, reshard, the setters), ``register_fsdp_forward_method``
     fully_shard.py      ``fully_shard(module or [modules])``: what it takes, checks and changes

@@ -20,7 +20,9 @@ group (``recurse=True``: on every sharded module below it too); the hooks in :mo
 Settings that pick CUDA streams, events or buffers in torch (``set_post_optim_event``,
 ``set_reduce_scatter_max_input_buffers``, ``_set_unshard_async_op``) are accepted and validated as torch's; with
 synchronous collectives on one thread there is nothing for them to change.  Not built: custom all-gather and
-reduce-scatter objects (``set_custom_all_gather``), which torch's all-gather extensions need.
+reduce-scatter objects (``set_custom_all_gather`` / ``set_custom_reduce_scatter``: torch's hooks to replace the
+collective itself, e.g. by one over symmetric memory).  The all-gather *extensions* (a parameter's local tensor
+choosing what is gathered and how the full weight is rebuilt) are built: :mod:`minifsdp.fsdp2.extensions`.
 """
 
 from __future__ import annotations
@@ -173,10 +175,12 @@ class FSDPModule:
         _set(self, True, unshard_async_op=async_op)
 
     def set_custom_all_gather(self, comm) -> None:
-        raise NotImplementedError("minifsdp's fully_shard has no custom all-gather (torch's all-gather extensions)")
+        raise NotImplementedError("minifsdp's fully_shard has no custom all-gather object (it always calls torch's "
+                                  "all-gather); for fsdp_pre/post_all_gather extensions none is needed")
 
     def set_custom_reduce_scatter(self, comm) -> None:
-        raise NotImplementedError("minifsdp's fully_shard has no custom reduce-scatter")
+        raise NotImplementedError("minifsdp's fully_shard has no custom reduce-scatter object (it always calls "
+                                  "torch's reduce-scatter)")
 
 
 def _all_fsdp(modules) -> list[nn.Module]:

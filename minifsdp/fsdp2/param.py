@@ -173,6 +173,7 @@ class FSDPParam:
         self.unsharded_param: nn.Parameter | None = None
         self.accumulated_grad: torch.Tensor | None = None  # in reduce_dtype, while grads are not synced
         self.piece: torch.Tensor | None = None  # SHARDED_POST_FORWARD: 1/k of the full buffer, param_dtype
+        self.extension = None  # all-gather extension hooks on the local tensor: see minifsdp.fsdp2.extensions
         self.to_sharded()
 
     def init_dtypes(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
@@ -219,8 +220,9 @@ class FSDPParam:
         # the raw local tensor, as torch's reset_sharded_param reads it: to_local() is an autograd op, and a first
         # forward inside a functorch transform (torch.func.jvp) would hand back a wrapper with no storage
         local = current._local_tensor if isinstance(current, DTensor) else current.data
-        if local.is_meta or (local.untyped_storage().data_ptr() == self.padded_local.untyped_storage().data_ptr()
-                             and local.untyped_storage().data_ptr() != 0):
+        plain = type(local) is torch.Tensor and type(self.padded_local) is torch.Tensor  # a subclass has no storage
+        if local.is_meta or (plain and local.untyped_storage().data_ptr() != 0 and
+                             local.untyped_storage().data_ptr() == self.padded_local.untyped_storage().data_ptr()):
             return
         d = self.shard_dim
         if tuple(local.shape) == tuple(self.padded_size):
@@ -237,6 +239,7 @@ class FSDPParam:
         self.orig_dtype = padded.dtype
         self.init_dtypes(*self._mp)
         self.full_padded, self.unsharded_param = None, None  # re-made in the new dtype / device at the next gather
+        self.extension = None  # found again by the group's lazy init
         self._install(self.sharded_param)
 
     def all_gather_input(self) -> torch.Tensor:
@@ -282,12 +285,16 @@ class FSDPParam:
         """Reshard to a smaller group (torch's int ``reshard_after_forward=k``): keep piece ``index`` of
         the full padded buffer cut in ``parts`` equal flat pieces (so backward gathers from k ranks, not N),
         then free the full buffer.  The modules get the sharded parameters back meanwhile."""
+        if self.extension is not None:
+            raise NotImplementedError("fully_shard: an int reshard_after_forward with all-gather extensions")
         self.piece = self.full_padded.view(parts, -1)[index].clone()
         self.to_sharded()
 
     def free_unsharded(self) -> None:
         if self.full_padded is not None:
             _free(self.full_padded)
+        if self.extension is not None:
+            self.extension.free()
 
     def _install(self, param: nn.Parameter) -> None:
         for module, name in self.users:

@@ -40,6 +40,9 @@ updated shards again instead of computing with the old full weights.
 parameters, as torch's), so they always see the sharded DTensors, also right after a forward that kept the
 full parameters (``reshard_after_forward=False``).
 
+A group whose parameters define all-gather extension hooks, or mix dtypes, gathers through
+:class:`~minifsdp.fsdp2.extensions.GroupGather` instead (several inputs per parameter, one byte buffer).
+
 Note (collectives): ``comm`` is :func:`minifsdp.comm.get_collectives` -- ``"torch"`` (torch.distributed's
 ``all_gather_single`` / ``reduce_scatter_single``, the ones torch FSDP2 calls, hence bitwise parity) or
 ``"ring"`` (our hand-written ring over send/recv; sums in another order, so equal only to rounding).
@@ -54,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from minifsdp.fsdp2.extensions import GroupGather, find_extensions, needs_general_gather
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, gradient_divide_factors
 from minifsdp.fsdp2.nest import map_tensors, tensors_in
 from minifsdp.fsdp2.param import FSDPParam, ShardedState
@@ -138,6 +142,7 @@ class FSDPParamGroup:
                       mp_policy.reduce_dtype, mesh, placements[i], offload_to_cpu, device)
             for i, p in enumerate(params)
         ]
+        find_extensions(self.fsdp_params)  # parameters whose local tensors gather themselves
         self.reshard_after_forward = reshard_after_forward
         self.post_forward_group = post_forward_group  # int reshard_after_forward: the k ranks to reshard to
         # what the FSDPModule setters change (torch's names and defaults)
@@ -170,6 +175,7 @@ class FSDPParamGroup:
         if not self._lazy_inited and self.sharded_state is ShardedState.SHARDED:
             for p in self.fsdp_params:
                 p.reset_sharded_param()
+            find_extensions(self.fsdp_params)  # hooks patched onto the local tensors since count too, as torch's
             self._lazy_inited = True
         on_meta = [p.fqn for p in self.fsdp_params if p.padded_local.is_meta]
         if on_meta:
@@ -196,6 +202,9 @@ class FSDPParamGroup:
             group = self.post_forward_group
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             inputs = [p.piece for p in self.fsdp_params]
+        elif needs_general_gather(self.fsdp_params):  # extension hooks or several dtypes: see extensions.py
+            self._gathered = GroupGather.start(self.fsdp_params, self.mp_policy, self.comm, group, world, rank)
+            return
         else:
             inputs = [p.all_gather_input() for p in self.fsdp_params]
         numels = [t.numel() for t in inputs]
@@ -212,13 +221,16 @@ class FSDPParamGroup:
         """Copy the gathered rows out into each parameter's full buffer and install the full parameters."""
         if self._gathered is None:
             return
-        rows, numels = self._gathered
-        self._gathered = None
-        pieces = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        offset = 0
-        for p, n in zip(self.fsdp_params, numels, strict=True):  # copy-out
-            p.copy_out(rows, offset, n, flat=pieces)
-            offset += n
+        gathered, self._gathered = self._gathered, None
+        if isinstance(gathered, GroupGather):
+            gathered.copy_out()
+        else:
+            rows, numels = gathered
+            pieces = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
+            offset = 0
+            for p, n in zip(self.fsdp_params, numels, strict=True):  # copy-out
+                p.copy_out(rows, offset, n, flat=pieces)
+                offset += n
         for p in self.fsdp_params:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED

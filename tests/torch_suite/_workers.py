@@ -256,7 +256,7 @@ def run_batch(module: str, ids: list[str], sides: tuple = ("torch", "ours"), log
             try:
                 same(values["ours"], values["torch"], *case.vs_torch)
             except Exception as e:  # noqa: BLE001
-                res["ours"] = "vs torch FSDP1: " + _first_line(e)
+                res["ours"] = "vs torch's result: " + _first_line(e)
         out[cid] = res
         note(done=cid, res=res)
     return out

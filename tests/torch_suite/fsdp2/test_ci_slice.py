@@ -26,6 +26,7 @@ PICK = {
     "autograd": ["nontensor_activations:container=dataclass"],
     "init": ["meta_device_1d_init"],
     "state": ["fully_shard_cls"],
+    "extensions": ["train_parity:version=2,raf=True", "outer_size_stride"],
 }
 SECONDS_PER_CASE = 15.0
 
