@@ -60,12 +60,14 @@ machine both are the CPU, and the policy changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from enum import Enum, auto
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = ["ShardedState", "FSDPParam", "chunk_rows", "local_row_range", "contiguous_stride", "local_of"]
 
@@ -183,12 +185,12 @@ class FSDPParam:
         self.reduce_dtype = None if reduce_dtype == (self.param_dtype or self.orig_dtype) else reduce_dtype
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> torch.Tensor:
-        """This rank's rows (a parameter's or a gradient's) labelled with the mesh and placement: no copy,
-        no communication (``DTensor.from_local`` with the global shape given, so no check runs)."""
+        """This rank's rows (a parameter's or a gradient's) labelled with the mesh and placement: no copy, no
+        communication, and no autograd node (``DTensor.from_local`` would add one, and its checks, every step)."""
         if self.mesh is None:
             return local
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.full_size,
-                                  stride=contiguous_stride(self.full_size))
+        meta = TensorMeta(self.full_size, contiguous_stride(self.full_size), local.dtype)
+        return DTensor(local, DTensorSpec(self.mesh, tuple(self.placements), meta), requires_grad=local.requires_grad)
 
     @property
     def local_tensor(self) -> torch.Tensor:
@@ -242,12 +244,13 @@ class FSDPParam:
         self.extension = None  # found again by the group's lazy init
         self._install(self.sharded_param)
 
-    def all_gather_input(self) -> torch.Tensor:
-        """This rank's padded chunk, flat, in the dtype the forward computes in, on the compute device."""
+    def all_gather_input(self, cast: bool = True) -> torch.Tensor:
+        """This rank's padded chunk, flat, in the dtype the forward computes in (``cast=False``: in its own; the
+        group's copy-in casts on the way), on the compute device."""
         flat = self.padded_local.view(-1)
         if self.offload_to_cpu:
             flat = flat.to(self.device)
-        return flat if self.param_dtype is None else flat.to(self.param_dtype)
+        return flat if self.param_dtype is None or not cast else flat.to(self.param_dtype)
 
     def alloc_unsharded(self) -> torch.Tensor:
         """The full padded buffer with storage (made on first use, re-allocated after a free)."""
@@ -352,3 +355,19 @@ class FSDPParam:
             self.sharded_param.grad = self.to_sharded_dtensor(new_grad)
         else:
             local_of(grad).add_(new_grad)
+
+
+def copy_out_group(params: list[FSDPParam], gathered: torch.Tensor, numels: list[int], flat: bool = False) -> None:
+    """The group's copy-out: each parameter's columns of the gathered rows (``(P, total)``) into its full buffer.
+    One fused copy (``split_with_sizes_copy``, as torch's) when every parameter is cut by rows; else one each."""
+    if not flat and any(p.shard_dim != 0 for p in params):
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        for p, offset, n in zip(params, offsets, numels, strict=True):
+            p.copy_out(gathered, offset, n)
+        return
+    outs = [p.alloc_unsharded().view(gathered.shape[0], n) for p, n in zip(params, numels, strict=True)]
+    with torch.no_grad(), contextlib.ExitStack() as stack:  # (the buffers are refilled: keep their versions)
+        for p in params:
+            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(p.full_padded))
+            p.piece = None
+        torch.split_with_sizes_copy(gathered, numels, dim=1, out=outs)

@@ -60,7 +60,7 @@ import torch.nn as nn
 from minifsdp.fsdp2.extensions import GroupGather, find_extensions, needs_general_gather
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, gradient_divide_factors
 from minifsdp.fsdp2.nest import map_tensors, tensors_in
-from minifsdp.fsdp2.param import FSDPParam, ShardedState
+from minifsdp.fsdp2.param import FSDPParam, ShardedState, copy_out_group
 
 __all__ = ["TrainingState", "FSDPParamGroup", "CommContext"]
 
@@ -206,12 +206,13 @@ class FSDPParamGroup:
             self._gathered = GroupGather.start(self.fsdp_params, self.mp_policy, self.comm, group, world, rank)
             return
         else:
-            inputs = [p.all_gather_input() for p in self.fsdp_params]
+            inputs = [p.all_gather_input(cast=False) for p in self.fsdp_params]
         numels = [t.numel() for t in inputs]
         total = sum(numels)
-        gathered = torch.empty(world * total, dtype=inputs[0].dtype, device=inputs[0].device)
+        dtype = self.fsdp_params[0].unsharded_dtype
+        gathered = torch.empty(world * total, dtype=dtype, device=inputs[0].device)
         mine = gathered.narrow(0, rank * total, total)
-        torch.cat(inputs, out=mine)  # copy-in
+        torch._foreach_copy_(list(mine.split(numels)), inputs)  # copy-in, cast to the compute dtype on the way
         if world > 1:
             self.comm.all_gather(gathered, mine, group=group)
         self._gathered = (gathered.view(world, total), numels)
@@ -226,11 +227,7 @@ class FSDPParamGroup:
             gathered.copy_out()
         else:
             rows, numels = gathered
-            pieces = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-            offset = 0
-            for p, n in zip(self.fsdp_params, numels, strict=True):  # copy-out
-                p.copy_out(rows, offset, n, flat=pieces)
-                offset += n
+            copy_out_group(self.fsdp_params, rows, numels, flat=self.sharded_state is ShardedState.SHARDED_POST_FORWARD)
         for p in self.fsdp_params:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -272,13 +269,16 @@ class FSDPParamGroup:
         n = self.world_size
         numels = [p.shard_numel for p in params]
         total = sum(numels)
-        inp = torch.zeros(n, total, dtype=reduce_dtype, device=grads[0].device)
-        offset = 0
-        for p, g, m in zip(params, grads, numels, strict=True):  # chunk-cat copy-in (casts to reduce_dtype)
-            for r, piece in enumerate(p.grad_chunks(g)):  # rank r's rows (the last may be short)
-                inp[r, offset: offset + m].view(p.padded_size).narrow(p.shard_dim, 0, piece.shape[p.shard_dim]) \
-                    .copy_(piece)
-            offset += m
+        if all(p.shard_dim == 0 and g.dim() > 0 and g.dtype == grads[0].dtype for p, g in zip(params, grads)):
+            inp = torch.empty(n, total, dtype=reduce_dtype, device=grads[0].device)
+            torch._chunk_cat(grads, dim=0, num_chunks=n, out=inp)  # rows cut as ours, zero-padded, cast; one op
+        else:
+            inp, offset = torch.zeros(n, total, dtype=reduce_dtype, device=grads[0].device), 0
+            for p, g, m in zip(params, grads, numels, strict=True):  # the same, one copy per rank and parameter
+                for r, piece in enumerate(p.grad_chunks(g)):  # rank r's rows (the last may be short)
+                    inp[r, offset: offset + m].view(p.padded_size).narrow(p.shard_dim, 0, piece.shape[p.shard_dim]) \
+                        .copy_(piece)
+                offset += m
         grads.clear()  # the caller's list too: the full grads are copied in, free them before the reduce-scatter
         replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
         before, after, rs_op, ar_op = gradient_divide_factors(n, replicas, reduce_dtype, self.gradient_divide_factor,

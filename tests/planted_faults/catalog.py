@@ -185,9 +185,9 @@ FAULTS = [
         name="fully_shard_copy_out_offset",
         plants="fully_shard's all-gather copy-out never advances its offset: every parameter reads the first one's "
                "columns",
-        target="minifsdp.fsdp2.param_group:FSDPParamGroup.wait_for_unshard",
-        old="offset += n",
-        new="pass",
+        target="minifsdp.fsdp2.param:copy_out_group",
+        old="torch.split_with_sizes_copy(gathered, numels, dim=1, out=outs)",
+        new="[o.copy_(gathered[:, :n]) for o, n in zip(outs, numels)]",
         test="tests/test_fsdp2.py::test_parity_with_torch_fsdp2_world_3",
         why="the smallest fully_shard spawn against torch FSDP2 (3 ranks, 2 cases, 2 steps), with odd widths "
             "whose shards are uneven and padded",
