@@ -17,7 +17,7 @@ talking to the others over gloo (CPU) or NCCL (GPU).
 Note (a clean fork server, never a plain fork): a child forked after torch has
 started its thread pool can hang forever, so ranks are never forked from the
 caller.  They are forked from multiprocessing's *fork server*: one helper
-process, started the first time ``spawn`` runs, that imports torch and then does
+process, started the first time ``spawn`` runs, that imports torch (and FSDP) and then does
 nothing but fork (it never runs a torch op, so it has no thread pool to inherit).
 Each rank then starts with torch already imported: about half a second instead
 of the several seconds a fresh interpreter takes to import torch, which is most
@@ -109,9 +109,7 @@ def _check_world_size(world_size: int, backend: str) -> None:
         )
 
 
-# What the fork server imports once, for every rank it forks: torch, and the FSDP modules nearly every rank
-# imports next (about a second per rank on 2 cores otherwise).  Imports only: the server runs no torch op.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "minifsdp"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "minifsdp"]  # no op run
 
 
 def _start_method_context():
@@ -121,7 +119,7 @@ def _start_method_context():
         method = "spawn"  # never a plain fork (see the note at the top)
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)  # imported once, by the server
+        ctx.set_forkserver_preload(PRELOAD)  # imported once, by the server (a second saved per rank)
     return ctx
 
 
