@@ -8,21 +8,20 @@ random ``GPT2LMHeadModel`` wrapped by ``GPT2Block``.  Both wrap with
 ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Layer})``, ours and torch's.
 
 Embeddings are mean-pooled over the attention mask and L2-normalised (what sentence-transformers does
-for this model).  Attention is ``eager`` so the forward is the same plain ops on every path.
+for this model).  Attention is ``eager`` so the forward is the same plain ops on every path.  Wrapping,
+embedding and reading full parameters are notebook 04's own (``minifsdp/tools/hf_sharding.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minifsdp.fsdp import FSDP
-from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
+from minifsdp.tools.hf_sharding import embed, frozen_embed, full_params, wrap
 
 STEPS = 3
 SCALE = 20.0  # similarity scale of the in-batch-negatives loss (sentence-transformers' MultipleNegativesRankingLoss)
@@ -57,44 +56,6 @@ def load_bert():
     return AutoModel.from_pretrained(path, attn_implementation="eager"), AutoTokenizer.from_pretrained(path), BertLayer
 
 
-def policy(layer_cls, ours: bool = True):
-    if ours:
-        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls})
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
-
-    return functools.partial(torch_policy, transformer_layer_cls={layer_cls})
-
-
-def wrap(model, layer_cls, ours: bool):
-    if ours:
-        return FSDP(model, auto_wrap_policy=policy(layer_cls, True))
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-
-    return TorchFSDP(model, auto_wrap_policy=policy(layer_cls, False), device_id=torch.device("cpu"))
-
-
-def embed(model, tok, sentences) -> torch.Tensor:
-    """Mean-pooled (over the attention mask), L2-normalised sentence embeddings, [len(sentences), 384]."""
-    enc = tok(sentences, padding=True, return_tensors="pt")
-    hidden = model(**enc).last_hidden_state
-    mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
-
-
-def _frozen_embed(model, tok, sentences):
-    model.eval()
-    with torch.no_grad():
-        out = embed(model, tok, sentences)
-    model.train()
-    return out
-
-
-def _full_named(model) -> list[tuple[str, torch.Tensor]]:
-    """Inside summon_full_params, as torch users read it: ``named_parameters()`` of the wrapped model."""
-    with type(model).summon_full_params(model):
-        return [(n, p.detach().clone()) for n, p in model.named_parameters()]
-
-
 def finetune(model, tok, rank: int) -> list[float]:
     """STEPS of AdamW on in-batch negatives: anchor i's positive is positive i, the other positives are negatives."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -124,7 +85,7 @@ def _saved_and_reloaded(model, base, tok, tmpdir: str, sentences):
         base.save_pretrained(tmpdir, state_dict=sd, safe_serialization=True)
     dist.barrier()
     plain = AutoModel.from_pretrained(tmpdir, attn_implementation="eager")
-    return dict(keys=sorted(sd), plain_keys=sorted(plain.state_dict()), embeddings=_frozen_embed(plain, tok, sentences))
+    return dict(keys=sorted(sd), plain_keys=sorted(plain.state_dict()), embeddings=frozen_embed(plain, tok, sentences))
 
 
 def bert_worker(tmpdir: str) -> dict:
@@ -133,14 +94,14 @@ def bert_worker(tmpdir: str) -> dict:
     torch.manual_seed(0)
     base, tok, layer_cls = load_bert()
     sentences = [QUERY] + DOCS
-    out = {"plain": _frozen_embed(base, tok, sentences)}
+    out = {"plain": frozen_embed(base, tok, sentences)}
     for side in ("ours", "torch"):
         model = wrap(copy.deepcopy(base), layer_cls, side == "ours")
         units = [n for n, m in model.named_modules() if isinstance(m, type(model))]
-        res = dict(units=units, embeddings=_frozen_embed(model, tok, sentences))
+        res = dict(units=units, embeddings=frozen_embed(model, tok, sentences))
         res["losses"] = finetune(model, tok, rank)
-        res["full"] = _full_named(model)
-        res["tuned"] = _frozen_embed(model, tok, sentences)
+        res["full"] = full_params(model)
+        res["tuned"] = frozen_embed(model, tok, sentences)
         if side == "ours":
             res["reloaded"] = _saved_and_reloaded(model, base, tok, tmpdir, sentences)
         out[side] = res
@@ -174,7 +135,7 @@ def gpt2_worker() -> dict:
         with type(model).summon_full_params(model):
             tied = inner.lm_head.weight is inner.transformer.wte.weight
         root_numel = sum(p.numel() for n, p in model.named_parameters() if n.count("_fsdp_wrapped_module") == 1)
-        out[side] = dict(loss=loss.detach().clone(), full=_full_named(model), tied=tied, root_numel=root_numel,
+        out[side] = dict(loss=loss.detach().clone(), full=full_params(model), tied=tied, root_numel=root_numel,
                          units=[n for n, m in model.named_modules() if isinstance(m, type(model))])
     # a class that is no module of GPT-2: each side's warnings
     for side in ("ours", "torch"):
