@@ -58,7 +58,9 @@ def _run_named(tests: list[str], tmp: Path, fault=None, timeout_s: float = RUN_T
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     plugins = ["-p", "pytest_timeout", "--timeout", str(int(timeout_s))] if importlib.util.find_spec("pytest_timeout") \
         else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, *tests]
+    # its own --basetemp: a child pytest sharing ours would prune our (and its sibling's) numbered temp folders
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp / "pytest"),
+           *plugins, *tests]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s + 60)
     log = proc.stdout + proc.stderr
     path = tmp / "outcomes.json"
@@ -78,13 +80,16 @@ def _selected(session) -> list:
 def planted(request, tmp_path_factory):
     """The selected faults' runs, all started at once, ``PARALLEL`` at a time (a run spends much of its time
     starting interpreters, so two overlap well on 2 cores).  ``{name: future of (outcomes, log, report, s)}``."""
-    def run(fault):
+    def run(fault, tmp):
         start = time.perf_counter()
-        out = _run_named([fault.test], tmp_path_factory.mktemp(fault.name), fault)
+        out = _run_named([fault.test], tmp, fault)
         return (*out, time.perf_counter() - start)
 
+    faults = _selected(request.session)
+    tmp_path_factory.getbasetemp()  # here, once: pytest makes it lazily and not thread-safely
+    folders = [tmp_path_factory.mktemp(f.name) for f in faults]  # in this thread too, before any run starts
     with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
-        yield {f.name: pool.submit(run, f) for f in _selected(request.session)}
+        yield {f.name: pool.submit(run, f, tmp) for f, tmp in zip(faults, folders, strict=True)}
 
 
 @pytest.fixture(scope="module")

@@ -160,14 +160,15 @@ def test_state_dict_through_a_plain_root_loads_as_torch(kind, orig):
         assert r["ours"]["resumed_losses"] == r["ours"]["more_losses"]
 
 
-@pytest.mark.parametrize("how", ["data", "param", "grad"])
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-def test_use_orig_params_writes_back_what_the_user_changed_as_torch(strategy, how):
+@pytest.mark.parametrize(("strategy", "how", "world"), [(s, h, 2) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+                                                     for h in ("data", "param", "grad")]
+                         + [("FULL_SHARD", "data", 3), ("FULL_SHARD", "param", 3)])
+def test_use_orig_params_writes_back_what_the_user_changed_as_torch(strategy, how, world):
     """use_orig_params=True: a weight given new storage, a new Parameter under its name, or new gradients
     between steps are written back into the flat shard before the next all-gather, as torch FSDP1's
     ``_writeback_orig_params``: the losses after it, the full parameters, and every name's shape after a forward
     (SHARD_GRAD_OP keeps full shapes until the backward) are bitwise torch's."""
-    rs = run("writeback", strategy, how)
+    rs = run("writeback", strategy, how, world=world)
     ours = rs[0]["ours"]
     assert len(ours["losses"]) == 3 and len(ours["full"]) == 6
     full_shapes = strategy != "FULL_SHARD"  # the forward's views kept (SHARD_GRAD_OP); NO_SHARD's are whole

@@ -194,11 +194,15 @@ class OrigParamHandle(TorchHandle):
         for slot in self.layout.slots + self.layout.shared:
             clear_tensor_attr(slot.module, slot.name)
         for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
-            piece = self.flat_param.data[lo:hi]
-            slot.param.data = piece if self.sharded else piece.view(slot.shape)
+            slot.param.data = self._piece(slot, lo, hi)
             slot.module._parameters[slot.name] = slot.param
         for sh in self.layout.shared:
             sh.module._parameters[sh.name] = self.layout.slots[sh.primary].param
+
+    def _piece(self, slot, lo: int, hi: int) -> torch.Tensor:
+        """An original's view of the local shard: 1-D when sharded, its own shape under NO_SHARD."""
+        piece = self.flat_param.data[lo:hi]
+        return piece if self.sharded else piece.view(slot.shape)
 
     def after_forward(self) -> None:
         """As torch: a unit that keeps its full parameters after the forward (SHARD_GRAD_OP) with autograd on
@@ -232,7 +236,7 @@ class OrigParamHandle(TorchHandle):
                 slot.param = now  # a new Parameter under the name is the original from now on
             if not _same_storage(now, flat):
                 flat.data[lo:hi].copy_(_checked(now.detach(), hi - lo, self.sharded, slot.fqn, "parameter"))
-                now.data = flat.data[lo:hi] if self.sharded else flat.data[lo:hi].view(slot.shape)
+                now.data = self._piece(slot, lo, hi)
             if self.gradient.state is GradState.SHARD:  # (no_sync: the grads are views of the full gradient)
                 self._write_back_grad(slot, lo, hi)
         for sh in self.layout.shared:

@@ -61,6 +61,7 @@ machine both are the CPU, and the policy changes nothing.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from enum import Enum, auto
 
@@ -361,8 +362,7 @@ def copy_out_group(params: list[FSDPParam], gathered: torch.Tensor, numels: list
     """The group's copy-out: each parameter's columns of the gathered rows (``(P, total)``) into its full buffer.
     One fused copy (``split_with_sizes_copy``, as torch's) when every parameter is cut by rows; else one each."""
     if not flat and any(p.shard_dim != 0 for p in params):
-        offsets = [sum(numels[:i]) for i in range(len(numels))]
-        for p, offset, n in zip(params, offsets, numels, strict=True):
+        for p, offset, n in zip(params, itertools.accumulate([0, *numels[:-1]]), numels, strict=True):
             p.copy_out(gathered, offset, n)
         return
     outs = [p.alloc_unsharded().view(gathered.shape[0], n) for p, n in zip(params, numels, strict=True)]

@@ -192,6 +192,18 @@ FAULTS = [
         why="the smallest fully_shard spawn against torch FSDP2 (3 ranks, 2 cases, 2 steps), with odd widths "
             "whose shards are uneven and padded",
     ),
+    Fault(
+        name="orig_params_write_back_skipped",
+        plants="use_orig_params: a parameter given new storage between steps is re-pointed at the shard without "
+               "its numbers being copied in, so the user's change is silently lost",
+        target="minifsdp.fsdp.orig_params:OrigParamHandle.write_back_originals",
+        old='flat.data[lo:hi].copy_(_checked(now.detach(), hi - lo, self.sharded, slot.fqn, "parameter"))',
+        new='_checked(now.detach(), hi - lo, self.sharded, slot.fqn, "parameter")',
+        test="tests/test_torch_api_more.py::test_use_orig_params_writes_back_what_the_user_changed_as_torch"
+             "[FULL_SHARD-data-2]",
+        why="2 ranks, a weight's .data replaced after a step, against torch FSDP1: the next losses and the full "
+            "parameters differ",
+    ),
     # ------------------------------------------------------------------ the ring (chapter 2.2)
     Fault(
         name="ring_chunk_index",
