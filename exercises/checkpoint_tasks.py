@@ -6,8 +6,10 @@ hints are in ``exercises/README_checkpoint.md``.  Grade with::
     pytest tests/exercises/test_checkpoint_exercises.py --impl=student
 
 No process group is needed: each function is what *one* rank does with its own
-shard (4.3a) or with the files every rank wrote (4.3b).  The reference solution is
-``minifsdp/checkpoint/pieces.py``; do not peek before you have tried.
+shard (4.3a) or with the files every rank wrote (4.3b).
+
+Reference solution: ``minifsdp/checkpoint/pieces.py`` (``exercises/solutions/checkpoint_tasks.py`` re-exports
+it); do not peek before you have tried.
 """
 
 from __future__ import annotations

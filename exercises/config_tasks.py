@@ -10,8 +10,7 @@ The task text and hints are in ``exercises/README_config.md``.  Grade with::
 
     pytest tests/exercises/test_config_exercises.py --impl=student      # or -k 3_1 for one task
 
-Reference solutions: ``exercises.solutions.corrected_call`` (2.5b) and
-``exercises.solutions.consolidate`` (3.1).
+Reference solution: ``exercises/solutions/config_tasks.py`` (read it after you are done).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ The task text and hints are in ``exercises/README_fsdp2.md``.  Grade with::
 
     pytest tests/exercises/test_fsdp2_exercises.py --impl=student      # or -k 5_1 for one task
 
-The reference solutions are methods of ``minifsdp.fsdp2.param.FSDPParam`` (``__init__`` builds
-``padded_local`` and ``sharded_param``; ``copy_out``), with ``chunk_rows`` / ``local_row_range`` beside them
-(read them after you are done).
+Reference solution: ``exercises/solutions/fsdp2_tasks.py``; inside FSDP2 they are minifsdp/fsdp2/core/param.py's
+``FSDPParam.__init__`` (it builds ``padded_local`` and ``sharded_param``, with ``chunk_rows`` / ``local_row_range``
+beside it) and minifsdp/fsdp2/core/collectives.py's ``AllGatherResult.copy_out`` (read them after you are done).
 """
 
 from __future__ import annotations

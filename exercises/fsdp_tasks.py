@@ -14,7 +14,7 @@ Then run 2.1a inside a real FSDP training run, compared bitwise with ours::
 
     python -m minifsdp train --impl student --student 2.1a --steps 8
 
-The reference solutions are in ``exercises/solutions/fsdp_ops.py`` (read them after you are done).
+Reference solution: ``exercises/solutions/fsdp_tasks.py`` (read it after you are done).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The task text and hints are in ``exercises/README_hf.md``.  Grade with::
 
     pytest tests/exercises/test_hf_exercises.py --impl=student
 
-The reference solution: ``minifsdp.fsdp.core.wrap.transformer_auto_wrap_policy`` (read it after you are done).
+Reference solution: ``minifsdp.fsdp.core.wrap.transformer_auto_wrap_policy`` (read it after you are done).
 """
 
 from __future__ import annotations

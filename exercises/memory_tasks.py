@@ -11,7 +11,7 @@ The task text and hints are in ``exercises/README_memory.md``.  Grade with::
 
     pytest tests/exercises/test_memory_exercises.py --impl=student      # or -k 2_3a for one task
 
-The reference solutions: ``minifsdp.memory.zero_formulas.model_state_bytes``,
+Reference solution: ``minifsdp.memory.zero_formulas.model_state_bytes``,
 ``fsdp_model_state_bytes`` and ``bytes_sent_per_step`` (read them after you are done).
 """
 

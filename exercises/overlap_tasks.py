@@ -15,9 +15,9 @@ Then run 2.5 inside a real FSDP training run, compared bitwise with ours::
 
     python -m minifsdp train --impl student --student 2.5 --steps 8
 
-The reference solutions: ``minifsdp.fsdp.core.prefetch.prefetch_target``,
+Reference solution: ``minifsdp.fsdp.core.prefetch.prefetch_target``,
 ``minifsdp.fsdp.core.mixed_precision.resolve_dtypes`` and
-``exercises.solutions.mixed_precision.reduce_gradient_shard`` (read them after you are done).
+``reduce_gradient_shard`` in ``exercises/solutions/overlap_tasks.py`` (read them after you are done).
 """
 
 from __future__ import annotations

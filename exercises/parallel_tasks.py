@@ -9,8 +9,9 @@ The task text and hints are in ``exercises/README_parallel.md``.  Grade with::
 
     pytest tests/exercises/test_parallel_exercises.py --impl=student      # or -k 4_4a for one task
 
-The reference solutions: ``minifsdp.parallel.tensor_parallel`` (``RowwiseParallel`` and its
-``_rowwise_forward``) and ``minifsdp.parallel.pipeline_schedules.action_order`` (read them after you are done).
+Reference solution: ``exercises/solutions/parallel_tasks.py``; the library's are
+``minifsdp.parallel.tensor_parallel`` (``RowwiseParallel`` and its ``_rowwise_forward``) and
+``minifsdp.parallel.pipeline_schedules.action_order`` (read them after you are done).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ Fill in :func:`lr_factor` (3.2a), :func:`find_instability` (3.2b) and
     pytest tests/exercises/test_practice_exercises.py --impl=student
 
 No process group is needed: each function works on numbers or on what the job wrote
-(its ``--log-json`` records, its ``--profile`` trace).  The reference solutions are
-``lr_factor`` in ``minifsdp/tools/train.py`` and the two functions of
+(its ``--log-json`` records, its ``--profile`` trace).
+
+Reference solution: ``lr_factor`` in ``minifsdp/tools/train.py`` and the two functions of
 ``minifsdp/tools/train_monitor.py``; do not peek before you have tried.
 """
 

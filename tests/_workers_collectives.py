@@ -399,7 +399,7 @@ def _check_errors(fails):
 
 
 def _check_carry_room(fails):
-    """2 ranks: the header buffers kept between collectives hold no more than the largest all-reduce
+    """2 ranks: the one header receive kept between collectives holds no more than the largest all-reduce
     asked for (tuned/header.py, Note (two ranks: carry)); from the second one of a size on, it is carried."""
     me = dist.get_rank()
     pair = dist.new_group([0, 1])  # every rank calls new_group
@@ -407,18 +407,16 @@ def _check_carry_room(fails):
         return
     stream = stream_for(pair)
 
-    def kept() -> int:  # bytes of this group's header buffers: the posted receive, the free one, the send's
-        bells = stream.doorbells
-        peer = bells.get(1 - me, {"posted": [], "free": []})
-        bufs = [b for _, b, _ in peer["posted"]] + list(peer["free"]) + [stream.workspace.get("bell_out")]
-        return sum(b.numel() for b in bufs if b is not None)
+    def kept() -> int:  # bytes of this group's header buffers: the receive posted for the next collective
+        peer = stream.doorbells.get(1 - me, {"posted": []})
+        return sum(b.numel() for _, b, _ in peer["posted"])
 
     for _ in range(3):  # what FSDP does: reduce-scatters and all-gathers only
         C.ring_reduce_scatter(torch.empty(500), torch.ones(1000), group=pair)
         C.ring_all_gather(torch.empty(1000), torch.ones(500), group=pair)
-    if kept() != 3 * HEADER_BYTES:
+    if kept() != HEADER_BYTES:
         fails.append(f"after reduce-scatters and all-gathers only, the header buffers hold {kept()} B, "
-                     f"want {3 * HEADER_BYTES} (2 receives + 1 send, no carry room)")
+                     f"want {HEADER_BYTES} (the next receive, no carry room)")
     swaps, real = [], tuned.swap_all_reduce
     tuned.swap_all_reduce = lambda *a: swaps.append(1) or real(*a)
     try:
@@ -431,7 +429,7 @@ def _check_carry_room(fails):
         tuned.swap_all_reduce = real
     if len(swaps) != 1:
         fails.append(f"two all-reduces of 4000 B: {len(swaps)} went by the swap path, want 1 (the second is carried)")
-    want = 3 * (HEADER_BYTES + 4000)
+    want = HEADER_BYTES + 4000
     if kept() != want:
         fails.append(f"after all-reduces of 4000 B the header buffers hold {kept()} B, want {want}")
 

@@ -1,7 +1,8 @@
 """Rank functions for the core-class tests: ``minifsdp.fsdp.core.FullyShardedDataParallel`` alone against torch FSDP1.
 
 The core class is the one a learner reads (``minifsdp/fsdp/core/``); it must stay proven by itself,
-without the public class's extras (``minifsdp/fsdp/fully_sharded.py``).
+without the public class's extras (``minifsdp/fsdp/fully_sharded.py``).  Clipping and the full state dict are
+not the step: ``minifsdp/fsdp/full_params.py``'s functions, called on the core's units.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from minifsdp.fsdp.core import FullyShardedDataParallel as CoreFSDP
 from minifsdp.fsdp.core import ShardingStrategy
 from minifsdp.fsdp.core.handle import FlatParamHandle
 from minifsdp.fsdp.core.units import units_with_params
+from minifsdp.fsdp.full_params import clip_grad_norm_, full_state_dict
 from tests._workers_fsdp import make_model, policy, to_numpy, train
 
 
@@ -36,10 +38,10 @@ def core_vs_torch_worker(kinds: list) -> dict:
                            auto_wrap_policy=policy(kind, False), device_id=torch.device("cpu"), use_orig_params=False)
         out = {"built": built}
         for name, model in (("ours", ours), ("torch", theirs)):
-            losses, norms = train(model, kind, "adamw", rank, world)
+            losses, norms = train(model, kind, "adamw", rank, world, clip=clip_grad_norm_ if name == "ours" else True)
             shards = [p.detach().clone() for p in model.parameters()]  # each unit's local flat shard, pre-order
             if name == "ours":
-                full = dict(model.state_dict())
+                full = dict(full_state_dict(model))
             else:
                 with TorchFSDP.summon_full_params(model):
                     full = {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone()

@@ -12,7 +12,7 @@ import torch.nn as nn
 from minifsdp.comm.devices import backend_devices, check_backend_supports, collective_device
 from minifsdp.ddp.distributed import verify_same_shapes
 from minifsdp.fsdp.checks import broadcast_from_rank0, check_same_on_all_ranks
-from minifsdp.fsdp.core.strategy import ShardingStrategy, resolve_groups
+from minifsdp.fsdp.core.strategy import ShardingPlan, ShardingStrategy, resolve_groups
 from minifsdp.fsdp.grad_scaler import ShardedGradScaler
 
 
@@ -58,7 +58,7 @@ def device_paths_worker() -> dict:
     out["supports_cpu"] = _error_of(lambda: check_backend_supports(None, [like], "test"))
 
     # FSDP's wrap-time checksum: the same weights pass, different ones fail on every rank.
-    groups = resolve_groups(ShardingStrategy.FULL_SHARD, None)
+    groups = resolve_groups(ShardingPlan.of(ShardingStrategy.FULL_SHARD), None)
     torch.manual_seed(0)  # the same bias on both ranks
     same = nn.Linear(4, 4)
     out["same_weights"] = _error_of(lambda: check_same_on_all_ranks(groups, same, list(same.parameters()), []))

@@ -63,7 +63,8 @@ def make_opt(name, params):
 
 
 def train(model, kind, opt_name, rank, world, clip=True):
-    """STEPS steps; returns losses and the grad norms that clip_grad_norm_ reported."""
+    """STEPS steps; returns losses and the grad norms that clip_grad_norm_ reported (``clip``: the model's
+    method if True, torch's plain function if "plain", or a function ``clip(model, max_norm)``)."""
     opt = make_opt(opt_name, model.parameters())
     losses, norms = [], []
     for step in range(STEPS):
@@ -72,6 +73,8 @@ def train(model, kind, opt_name, rank, world, clip=True):
         loss.backward()
         if clip == "plain":  # FSDP2: parameters are DTensors, torch's ordinary function handles them
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        elif callable(clip):
+            norms.append(clip(model, 0.5).item())
         elif clip:
             norms.append(model.clip_grad_norm_(0.5).item())
         opt.step()

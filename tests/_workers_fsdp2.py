@@ -24,15 +24,17 @@ import torch.optim.optimizer as torch_optimizer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.common_fsdp import MLP
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import minifsdp.fsdp2.param_group as ours_param_group
+import minifsdp.fsdp2.core.collectives as ours_collectives
+import minifsdp.fsdp2.core.param_group as ours_param_group
 from minifsdp.comm.collectives import TorchCollectives
 from minifsdp.fsdp2 import MixedPrecisionPolicy, fully_shard
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
 
 
 @contextlib.contextmanager
@@ -122,13 +124,13 @@ def parity(case: dict) -> dict:
             for block, following in zip(blocks[:-1], blocks[1:]):
                 block.set_modules_to_forward_prefetch([following])
             model.set_modules_to_backward_prefetch(blocks[::-1])
-        saved_op = ours_param_group.gradient_divide_factors
+        saved_op = ours_collectives.gradient_divide_factors
         if impl == "ours" and case.get("fault") == "no_divide":  # sum instead of average
-            ours_param_group.gradient_divide_factors = lambda *a, **k: (None, None, "sum", "sum")
+            ours_collectives.gradient_divide_factors = lambda *a, **k: (None, None, "sum", "sum")
         try:
             losses, collectives, loss_dtype = _train(model, case, rank, world)
         finally:
-            ours_param_group.gradient_divide_factors = saved_op
+            ours_collectives.gradient_divide_factors = saved_op
         result[impl] = {
             "class": type(model).__name__,
             "losses": losses,
@@ -186,9 +188,29 @@ def misuse() -> list[tuple[str, str, str]]:
     return out
 
 
+def placement_misuse() -> dict[str, tuple]:
+    """``shard_placement_fn`` returning ``Shard(1)`` for every parameter of an ``nn.Linear``: the bias has one dim.
+    For ours and torch's ``fully_shard``: (exception type, message, whether the module's parameters are still the
+    originals, unsharded, after the refusal)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    for impl, shard in (("torch", functools.partial(torch_fully_shard, mesh=mesh)), ("ours", fully_shard)):
+        lin = nn.Linear(4, 6)
+        before = dict(lin.named_parameters())
+        try:
+            shard(lin, shard_placement_fn=lambda p: Shard(1))
+            out[impl] = ("no error", "", False)
+        except Exception as e:  # noqa: BLE001 -- the test reads the type and message
+            now = dict(lin.named_parameters())
+            untouched = list(now) == list(before) and all(now[n] is p for n, p in before.items()) and \
+                not any(isinstance(p, DTensor) for p in now.values())
+            out[impl] = (type(e).__name__, str(e), untouched)
+    return out
+
+
 def grads_freed_before_reduce_scatter(fault: str | None = None) -> dict:
     """Are a group's full gradients dead when its reduce-scatter starts (torch FSDP2 clears them after the
-    copy-in)?  Weak references to every full gradient handed to ``reduce_scatter_grads``, checked inside the
+    copy-in)?  Weak references to every full gradient handed to ``foreach_reduce``, checked inside the
     reduce-scatter: one still alive *and* referred to by a Python object is kept by us.  (Autograd's engine
     may still hold the last one it computed, from C++, with no Python referrer: that one is not ours to free.)
     ``fault="keep"`` plants the bug: a list that still holds them (as ``del`` of a local name did, while the
@@ -197,14 +219,14 @@ def grads_freed_before_reduce_scatter(fault: str | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _shard(TinyGPT(GPTConfig.tiny(), seed=0), "ours", {}, None)
     report, handed, kept = {"kept": 0, "alive": 0, "handed": 0, "reduce_scatters": 0}, [], []
-    real_group_rs, real_rs = ours_param_group.FSDPParamGroup.reduce_scatter_grads, TorchCollectives.reduce_scatter
+    real_group_rs, real_rs = ours_param_group.foreach_reduce, TorchCollectives.reduce_scatter
 
-    def group_rs(self, params, grads):
+    def group_rs(group, params, grads):
         handed[:] = [weakref.ref(g) for g in grads]
         report["handed"] += len(grads)
         if fault == "keep":
             kept.extend(grads)
-        return real_group_rs(self, params, grads)
+        return real_group_rs(group, params, grads)
 
     def rs(self, *args, **kwargs):
         alive = [g for g in (r() for r in handed) if g is not None]
@@ -213,7 +235,7 @@ def grads_freed_before_reduce_scatter(fault: str | None = None) -> dict:
         report["reduce_scatters"] += 1
         return real_rs(self, *args, **kwargs)
 
-    with mock.patch.object(ours_param_group.FSDPParamGroup, "reduce_scatter_grads", group_rs), \
+    with mock.patch.object(ours_param_group, "foreach_reduce", group_rs), \
             mock.patch.object(TorchCollectives, "reduce_scatter", rs):
         x, y = CharCorpus(vocab_size=model.cfg.vocab_size).batch(0, batch_size=2, block_size=model.cfg.block_size,
                                                                   rank=rank, world_size=world)
@@ -399,6 +421,61 @@ def parity_cases(cases: dict[str, dict]) -> dict[str, dict]:
             out[name] = silent_results(case["silent"])
         elif "frees" in case:
             out[name] = grads_freed_before_reduce_scatter(case["frees"])
+        elif case.get("placement_misuse"):
+            out[name] = placement_misuse()
+        elif case.get("root_reshard"):
+            out[name] = root_reshard_after_forward()
         else:
             out[name] = misuse() if case.get("misuse") else parity(case)
     return out
+
+
+# ---------------------------------------------------------------- the root's reshard_after_forward
+# torch's fully_shard once clamped the root to reshard_after_forward=False whatever the user passed (its backward
+# comes first: resharding it would only gather it straight back).  Users running a root's forward alone under
+# no_grad (a text encoder before a diffusion model) found its full parameters kept, and torch changed the contract:
+# an explicit True is respected at the root; the default, None, keeps the root's parameters.  For each way of
+# asking, on ours and on torch's: the type of the root's parameters right after a forward (DTensor: resharded,
+# Parameter: kept full) and each iteration's collectives (a: all-gather, r: reduce-scatter).
+# name -> (fully_shard's keyword at the root, set_reshard_after_forward(True) before the first forward, eval)
+WAYS = {
+    "default": ({}, False, False),
+    "explicit True": ({"reshard_after_forward": True}, False, False),
+    "default, set to True": ({}, True, False),
+    "default, eval": ({}, False, True),
+    "explicit True, eval": ({"reshard_after_forward": True}, False, True),
+}
+
+
+def _root_types(model) -> list[str]:
+    return sorted({type(p).__name__ for n, p in model.named_parameters() if not n.startswith("blocks.")})
+
+
+def _run(shard, mesh, root_kw: dict, set_true: bool, evaluate: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = TinyGPT(seed=0)
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh, **root_kw)
+    if set_true:
+        model.set_reshard_after_forward(True, recurse=False)
+    corpus = CharCorpus(vocab_size=model.cfg.vocab_size)
+    types, collectives = [], []
+    for it in range(2):
+        x, y = corpus.batch(it, batch_size=2, block_size=model.cfg.block_size, rank=rank, world_size=world)
+        log = []
+        with record_collectives(log):
+            with torch.no_grad() if evaluate else torch.enable_grad():
+                loss = model(x, y)
+            types.append(_root_types(model))
+            if not evaluate:
+                loss.backward()
+        collectives.append("".join(kind[0] for kind, _, _ in log))
+    return {"root types after forward": types, "collectives": collectives}
+
+
+def root_reshard_after_forward() -> dict[str, dict[str, dict]]:
+    """way -> {"torch": ..., "ours": ...}"""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    impls = (("torch", torch_fully_shard), ("ours", fully_shard))
+    return {way: {impl: _run(shard, mesh, *spec) for impl, shard in impls} for way, spec in WAYS.items()}

@@ -7,16 +7,21 @@ original parameters a flat-parameter layout could keep alive after flattening.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
+import threading
+import time
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.fsdp import FSDP, ShardingStrategy, fully_sharded
+from minifsdp.comm.collectives import letting_go
+from minifsdp.fsdp import FSDP, ShardingStrategy
+from minifsdp.fsdp.backward_extras import BackwardExtras
 from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.fsdp.torch_options import hybrid_groups
 from minifsdp.memory.census import live_tensor_bytes
@@ -64,6 +69,31 @@ def _step(kind, model, opt, corpus, rank, world):
     opt.zero_grad()
 
 
+TORCH_FSDP1_COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single")  # what its step calls
+
+
+@contextlib.contextmanager
+def torch_lets_go():
+    """torch FSDP1's collectives through the wait ours has (``minifsdp.comm.collectives``, Note (torch's
+    collectives let go before ``wait()`` returns)): otherwise gloo's worker thread may still hold the last
+    gradient when the census at rest runs, and torch's bytes read high by one unit's gradient, by chance."""
+    saved = {name: getattr(dist, name) for name in TORCH_FSDP1_COLLECTIVES}
+
+    def through(fn):
+        def call(*args, async_op=False, **kwargs):
+            k = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
+            return letting_go(lambda *ts: fn(*ts[:-1], *args[k:], async_op=ts[-1], **kwargs), args[:k], async_op)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, through(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 def live_bytes_worker(kind: str, config: str, strategies: tuple, origs: tuple) -> dict:
     """{(side, strategy, orig): {"after_wrap": bytes, "at_rest": bytes}} above what was alive before building."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -79,10 +109,43 @@ def live_bytes_worker(kind: str, config: str, strategies: tuple, origs: tuple) -
                 model = _wrap(side, model, layer_cls, strategy, orig)
                 after_wrap = live_tensor_bytes() - base
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-                _step(kind, model, opt, corpus, rank, world)
+                with torch_lets_go() if side == "torch" else contextlib.nullcontext():
+                    _step(kind, model, opt, corpus, rank, world)
                 at_rest = live_tensor_bytes() - base
                 out[(side, strategy, orig)] = {"after_wrap": after_wrap, "at_rest": at_rest}
                 del model, opt
+    return out
+
+
+def slow_let_go_worker(hold_s: float) -> dict:
+    """{slow: ours' bytes at rest after one NO_SHARD step} with gloo's worker thread as it is (False) and made
+    slow to let go of a finished collective (True: each work, with its tensors, kept ``hold_s`` after it is
+    done; ``hold_s`` longer than the step and the census take).  One unit: one all-reduce of its gradient,
+    which ``zero_grad`` drops right after the step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    real, kept, out = dist.all_reduce, [], {}
+
+    def slow_to_let_go(*args, **kwargs):
+        work = real(*args, **kwargs)
+        kept.append(work)
+        threading.Timer(hold_s, kept.remove, (work,)).start()
+        return work
+
+    for slow in (False, True):
+        gc.collect()
+        dist.barrier()
+        base = live_tensor_bytes()
+        model = FSDP(_odd_mlp(), sharding_strategy=ShardingStrategy.NO_SHARD)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        dist.all_reduce = slow_to_let_go if slow else real
+        try:
+            _step("mlp", model, opt, None, rank, world)
+            out[slow] = live_tensor_bytes() - base
+        finally:
+            dist.all_reduce = real
+        while kept:  # (the planted timers) before the next measurement
+            time.sleep(0.01)
+        del model, opt
     return out
 
 
@@ -216,7 +279,7 @@ class _Twice(nn.Module):
 
 
 def _split_node(h):
-    """The SplitWithSizesBackward0 node of a unit's current views (what backward.py hooks), or None."""
+    """The SplitWithSizesBackward0 node of a unit's current views (what backward_extras.py hooks), or None."""
     slot = h.layout.slots[0]
     node = getattr(slot.module.__dict__.get(slot.name), "grad_fn", None)
     while node is not None and node.name() != "SplitWithSizesBackward0":
@@ -233,9 +296,9 @@ def free_before_concat_worker(planted: bool) -> dict:
     it: the numbers must be the same bits (the second graph's node must not free what the first needs).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    original = fully_sharded.register_free_before_concat
+    original = BackwardExtras.after_unshard  # (it only registers the free before the concat)
     if planted:
-        fully_sharded.register_free_before_concat = lambda unit, awaiting: None
+        BackwardExtras.after_unshard = lambda self, unit: None
     try:
         model = _wrap("ours", TinyGPT(GPTConfig.tiny(), seed=0), {Block}, "FULL_SHARD", False)
         handles = [u._handle for u in FSDP.fsdp_modules(model)]
@@ -249,7 +312,7 @@ def free_before_concat_worker(planted: bool) -> dict:
         out = {"at_concat": seen, "units": len(handles)}
         runs = {}
         for early in (True, False):
-            fully_sharded.register_free_before_concat = original if early else (lambda unit, awaiting: None)
+            BackwardExtras.after_unshard = original if early else (lambda self, unit: None)
             policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={_Inner})
             m = FSDP(_Twice(), auto_wrap_policy=policy)
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -264,7 +327,7 @@ def free_before_concat_worker(planted: bool) -> dict:
             x.shape == y.shape and bool((x.view(torch.int32) == y.view(torch.int32)).all()) for x, y in zip(a, b))
         return out
     finally:
-        fully_sharded.register_free_before_concat = original
+        BackwardExtras.after_unshard = original
 
 
 def free_before_concat_cases_worker() -> list:

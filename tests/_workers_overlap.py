@@ -253,7 +253,8 @@ class CollectiveLog(TorchDispatchMode):
     the storage of its output: the unit's full flat buffer, whose storage object lives as
     long as the unit (only resized), so :meth:`named` maps it to the unit afterwards.  The
     units cannot be told apart by size: blocks.0 and blocks.1 have the same flat size.
-    A reduce-scatter is logged with the numel of its input (the padded full gradient).
+    A reduce-scatter is logged with the numel of its input (the padded full gradient), an all-gather also
+    with the numel of its output (:meth:`sized`).
 
     ``prefetching`` is a depth counter a caller raises while torch's ``_prefetch_handle``
     runs, so each all-gather also records whether torch issued it as a prefetch.  Torch
@@ -269,10 +270,17 @@ class CollectiveLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._opname if func.namespace == "c10d" else ""
         if "allgather" in name:
-            self.log.append(("all-gather", _first_tensor(args[0]).untyped_storage()._cdata, self.prefetching > 0))
+            self.log.append(("all-gather", _first_tensor(args[0]).untyped_storage()._cdata, self.prefetching > 0,
+                             sum(t.numel() for t in _tensors(args[0]))))
         elif "reduce_scatter" in name:
             self.log.append(("reduce-scatter", sum(t.numel() for t in _tensors(args[1]))))
         return func(*args, **(kwargs or {}))
+
+    def sized(self) -> list[tuple[str, int]]:
+        """Every collective as (kind, numel): an all-gather by its output's numel, a reduce-scatter by its input's
+        (a unit's padded flat size, either way): where the units' sizes differ this names them on any FSDP,
+        through nothing but the collectives it issued."""
+        return [(e[0], e[3]) if e[0] == "all-gather" else e for e in self.log]
 
     def named(self, storages: dict) -> tuple[list, list]:
         """(all-gathers as (unit, prefetch), every collective as (kind, unit or numel)); ``storages``: cdata -> unit."""
@@ -358,8 +366,8 @@ def prefetch_worker():
                     h = unit._handle
                     orig = h.start_unshard
 
-                    def start(prefetch=False, orig=orig, alive=alive, root=ours):
-                        orig(prefetch=prefetch)
+                    def start(orig=orig, alive=alive, root=ours):
+                        orig()
                         alive.append(alive_units(units(root)))
 
                     h.start_unshard = start

@@ -24,8 +24,8 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy as torch_lambda_
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
 
 from minifsdp.fsdp import FSDP, BackwardPrefetch, MixedPrecision, ShardingStrategy
-from minifsdp.fsdp.core.full_params import full_state_dict
 from minifsdp.fsdp.core.units import clean_name
+from minifsdp.fsdp.full_state_dict import full_state_dict
 from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
 from minifsdp.models import Block as GPTBlock
 from minifsdp.models import GPTConfig, TinyGPT

@@ -10,8 +10,8 @@ swapped order (flatten_and_shard is minifsdp's own, right one).
 import torch
 import torch.distributed as dist
 
-from exercises.solutions.fsdp_ops import flatten_and_shard  # noqa: F401  (the right one)
-from exercises.solutions.fsdp_ops import unflatten as _right_unflatten
+from exercises.solutions.fsdp_tasks import flatten_and_shard  # noqa: F401  (the right one)
+from exercises.solutions.fsdp_tasks import unflatten as _right_unflatten
 from minifsdp.comm.collectives import ring_all_gather, ring_all_reduce  # noqa: F401  (the right ones)
 
 

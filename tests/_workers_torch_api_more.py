@@ -245,7 +245,8 @@ def case_plain_root_state_dict(api, kind: str, orig: bool):
     with api.FSDP.state_dict_type(trained, sdt):
         sd = trained.state_dict()
     fresh = _PlainRoot(api, 1, orig)
-    out = {"keys": list(sd), "losses": losses}
+    out = {"keys": list(sd), "losses": losses, "whole_values": [k for k, v in sd.items() if type(v) is torch.Tensor
+                                                                 or isinstance(v, torch.nn.Parameter)]}
     with api.FSDP.state_dict_type(fresh, sdt):
         result = fresh.load_state_dict(sd)
         out["result"] = (list(result.missing_keys), list(result.unexpected_keys))
@@ -352,4 +353,16 @@ def case_summon_with_grads_edit(api, strategy: str, writeback: bool):
     out["after"] = _grads(model)
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     out["full"] = full_params(api, model)
+    return out
+
+
+def many(cases: list[tuple]) -> list:
+    """:func:`both` for each ``(case, *args)`` in one spawn; a case that raises (on every rank alike) gives
+    ``{"error": "Type: first line"}`` and the next case still runs."""
+    out = []
+    for case, *args in cases:
+        try:
+            out.append(both(case, *args))
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]})
     return out

@@ -1,7 +1,10 @@
 """Shared pytest options and hooks.
 
-``--impl=reference`` (default) grades the exercise tests against minifsdp's own
-solutions; ``--impl=student`` grades the stubs in ``exercises/``.
+``--impl=student`` grades the stubs in ``exercises/`` (the learner's code); ``--impl=reference`` the
+instructor's answers in ``exercises/solutions/``, the default where that folder is.  The student edition
+has none: there the task tests are skipped unless ``--impl=student`` is given, so the README's test
+command passes on untouched stubs, and ``python -m minifsdp course grade`` scores them.
+``--course-task 2.2a,project-zero1`` keeps only those tasks' tests (the grader's selection).
 
 Every test's outcome is recorded (``tests/planted_faults/outcomes.py``), and the planted-fault
 checks run last: a named test that already passed in this session is their unplanted baseline.
@@ -25,16 +28,24 @@ def pytest_addoption(parser):
     parser.addoption(
         "--impl",
         action="store",
-        default="reference",
+        default=None,
         choices=("reference", "student"),
-        help="which implementation the exercise tests grade: minifsdp's reference or the stubs in exercises/",
+        help="which implementation the exercise tests grade: the instructor's reference (exercises/solutions/, "
+             "the default where it exists) or the stubs in exercises/ (student)",
     )
+    parser.addoption("--course-task", action="store", default=None,
+                     help="only these graded tasks' tests, comma-separated ids of exercises/points.csv")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def impl(request):
-    return request.config.getoption("--impl")
-
+    chosen = request.config.getoption("--impl")
+    if chosen is not None:
+        return chosen
+    if (ROOT / "exercises" / "solutions" / "__init__.py").exists():
+        return "reference"
+    pytest.skip("the student edition: task tests grade your code with `python -m minifsdp course grade` "
+                "(or pytest --impl=student)")
 
 
 def pytest_collection_modifyitems(items):

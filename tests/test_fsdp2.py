@@ -14,8 +14,9 @@ differently.  The planted fault (a SUM where torch averages) shows the compariso
 Cases: world size 2 with TinyGPT's default widths (32, 96: N divides them), odd widths (33, 95, 99 rows:
 uneven shards, padding), ``reshard_after_forward=False``, gradient accumulation
 (``set_requires_gradient_sync(False)`` then True), bf16 ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)``, explicit prefetching, frozen parameters, our ring collectives; world size 3 (odd widths,
-2 steps); HSDP on a 2x2 mesh at world size 4 (odd widths, 2 steps).  One spawn per world size.
+reduce_dtype=fp32)``, explicit prefetching, frozen parameters, our ring collectives, the root's
+``reshard_after_forward`` asked five ways (types after forward and collectives, training and ``no_grad``); world
+size 3 (odd widths, 2 steps); HSDP on a 2x2 mesh at world size 4 (odd widths, 2 steps).  One spawn per world size.
 
 Results torch's own functions compute over the sharded parameters (each test here failed on a sharded parameter
 that was a plain ``nn.Parameter`` subclass instead of a DTensor, or on the code before the fix it names):
@@ -29,7 +30,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifsdp.fsdp2.param import chunk_rows, local_row_range
+from minifsdp.fsdp2.core.param import chunk_rows, local_row_range
 from minifsdp.launch import spawn
 from tests._workers_fsdp2 import parity_cases
 
@@ -47,12 +48,17 @@ CASES_2 = {
     "prefetch": {"cfg": {"n_layer": 3}, "prefetch": True},
     "ring": {"collectives": "ring"},
     "misuse": {"misuse": True},
+    "placement_misuse": {"placement_misuse": True},
     "frees": {"frees": None},
     "frees_planted": {"frees": "keep"},
+    "root_reshard": {"root_reshard": True},
     "silent": {"silent": ["clip_grad_norm", "grad_scaler", "state_dict_after_forward", "adamw_default_path",
                           "misprefetch", "dataclass_activations"]},
 }
-CASES_3 = {"odd": {"cfg": ODD, "steps": 2}, "ring_odd": {"collectives": "ring", "cfg": ODD, "steps": 2}}
+CASES_3 = {"odd": {"cfg": ODD, "steps": 2}, "ring_odd": {"collectives": "ring", "cfg": ODD, "steps": 2},
+           "fp16_reduce": {"cfg": ODD, "steps": 2, "reduce_dtype": "fp16"},
+           "fp16": {"cfg": ODD, "steps": 2, "param_dtype": "fp16"},
+           "bf16_reduce_3": {"cfg": ODD, "steps": 2, "param_dtype": "bf16", "reduce_dtype": "bf16"}}
 CASES_4 = {"hsdp_odd": {"mesh": (2, 2), "ours_mesh": True, "cfg": ODD, "steps": 2},
            "reshard_to_2": {"reshard_after_forward": 2, "cfg": ODD, "steps": 2}}
 PARITY = ["default", "odd", "no_reshard", "accumulate", "bf16", "frozen", "bf16_accumulate", "prefetch"]
@@ -165,6 +171,21 @@ def test_parity_with_torch_fsdp2_world_3(ranks3):
         assert len(t) == len(o) > 0 and t == o
 
 
+@pytest.mark.parametrize("case", ["fp16_reduce", "fp16", "bf16_reduce_3"])
+def test_half_precision_gradient_reduction_world_3(ranks3, case):
+    """Gradients reduced in fp16 (``reduce_dtype=fp16`` over fp32 parameters; fp16 parameters, whose gradients
+    reduce in fp16) and in bf16, at 3 ranks, odd widths: bitwise torch FSDP2's, same collectives in the same order.
+    3 ranks is where fp16's divide factors show: torch divides by 2 before the ``sum`` and by 1.5 after it (at 2
+    ranks the factor after is 1, at 4 ranks both are 2, so a swap or a rounded factor would go unseen there); bf16
+    asks the collective for ``avg``."""
+    dtype = {"fp16_reduce": "torch.float16", "fp16": "torch.float16", "bf16_reduce_3": "torch.bfloat16"}[case]
+    for rank_result in ranks3:
+        _check_parity(rank_result[case])
+        t, o = rank_result[case]["torch"]["collectives"], rank_result[case]["ours"]["collectives"]
+        assert len(t) == len(o) > 0 and t == o
+        assert {d for kind, _, d in o if kind == "reduce_scatter"} == {dtype}
+
+
 @pytest.mark.parametrize("d0", [1, 2, 5, 31, 32, 33, 95, 128])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_rows_per_rank_follow_torch_chunk(d0, n):
@@ -262,6 +283,28 @@ def test_int_reshard_after_forward_world_4(ranks4):
     assert len(gathers) == 12  # 2 steps
 
 
+def test_the_root_reshards_after_forward_only_when_asked_as_torch(ranks2):
+    """``reshard_after_forward`` at the root, as torch's contract says since it stopped clamping the root to False:
+    left at its default (None) the root keeps its full parameters from forward to backward (5 all-gathers a step:
+    root, block 0, block 1, then blocks 1 and 0 again); an explicit True, at the call or by
+    ``set_reshard_after_forward(True)`` before the first forward, reshards it too (6: the root is gathered again in
+    backward).  Under ``no_grad`` (an encoder run for inference) the default root stays gathered after its forward,
+    so the next forward gathers only the blocks; True frees it.  Ours and torch's: the same types after each
+    forward and the same collectives, recorded from the calls."""
+    for rank_result in ranks2:
+        ways = rank_result["root_reshard"]
+        assert len(ways) == 5
+        for way, got in ways.items():
+            assert got["ours"] == got["torch"], way
+        seen = {way: (got["torch"]["root types after forward"], got["torch"]["collectives"])
+                for way, got in ways.items()}
+        kept, freed = [["Parameter"]] * 2, [["DTensor"]] * 2
+        assert seen["default"] == (kept, ["aaaaarrr"] * 2)
+        assert seen["explicit True"] == seen["default, set to True"] == (freed, ["aaaaaarrr"] * 2)
+        assert seen["default, eval"] == (kept, ["aaa", "aa"])
+        assert seen["explicit True, eval"] == (freed, ["aaa", "aaa"])
+
+
 def test_full_grads_are_freed_before_the_reduce_scatter(ranks2):
     """Ours frees a group's full gradients once they are copied into the reduce-scatter input, as torch FSDP2
     (``unsharded_grads.clear()``); bench fsdp, 19M, 2 ranks: ours_fsdp2's peak 1.027x -> 0.983x torch FSDP2's."""
@@ -286,6 +329,19 @@ def test_misuse_is_refused_with_a_reason(ranks2):
     assert said["3-D mesh"][0] == "ValueError" and "1D or 2D" in said["3-D mesh"][1]
     assert said["ModuleList"][0] == "ValueError" and "do not implement forward" in said["ModuleList"][1]
     assert said["unshard(async_op=True)"] == ("Parameter", "(96, 32)")
+
+
+def test_a_shard_dim_the_parameter_lacks_is_refused_at_the_call_as_torch(ranks2):
+    """``shard_placement_fn`` returning ``Shard(1)`` for a 1-D bias: torch's ``fully_shard`` raises an
+    ``AssertionError`` naming the dim; ours raises the same type with torch's words, at the call, before anything is
+    sharded, and also names the parameter and its number of dims (and how to fix it)."""
+    for rank_result in ranks2:
+        got = rank_result["placement_misuse"]
+        (t_kind, t_msg, _), (o_kind, o_msg, untouched) = got["torch"], got["ours"]
+        assert t_kind == o_kind == "AssertionError", got
+        assert "Shard dim 1 is invalid for 1D tensor" in t_msg and "Shard dim 1 is invalid for 1D tensor" in o_msg
+        assert "'bias'" in o_msg and "1 dim" in o_msg and "Shard(d) with 0 <= d < 1" in o_msg, o_msg
+        assert untouched, "ours must refuse before replacing any parameter"
 
 
 def _both(ranks, name):

@@ -187,19 +187,12 @@ def test_execution_order_unit():
 
 
 def _fake_unit(unsharded: bool):
-    """A stand-in for an FSDP unit: just the fields prefetch() and alive_units() read."""
+    """A stand-in for an FSDP unit: just the fields can_prefetch() and alive_units() read."""
     from types import SimpleNamespace
 
     from minifsdp.fsdp.core.state import HandleState, TrainingState
 
-    handle = SimpleNamespace(sharded=True, state=HandleState.UNSHARDED if unsharded else HandleState.SHARDED,
-                             started=0)
-
-    def start_unshard(prefetch):
-        handle.state = HandleState.GATHERING
-        handle.started += 1
-
-    handle.start_unshard = start_unshard
+    handle = SimpleNamespace(sharded=True, state=HandleState.UNSHARDED if unsharded else HandleState.SHARDED)
     return SimpleNamespace(_handle=handle, training_state=TrainingState.AWAITING_BACKWARD)
 
 
@@ -208,12 +201,15 @@ def test_limit_all_gathers_refuses_a_third_unit(limit):
     """The rate limiter itself: with two units already gathered, a third prefetch waits (limit on) or goes."""
     from types import SimpleNamespace
 
-    from minifsdp.fsdp.core.prefetch import alive_units, prefetch
+    from minifsdp.fsdp.core.prefetch import alive_units, can_prefetch
+    from minifsdp.fsdp.core.state import HandleState
 
     a, b, c = _fake_unit(True), _fake_unit(True), _fake_unit(False)
     root = SimpleNamespace(_handle=None)
     units = [root, a, b, c]  # the root first, as units.units(root) lists them
     assert alive_units(units) == 2
-    issued = prefetch(c, units, limit, in_backward=False)
-    assert issued is (not limit) and c._handle.started == (0 if limit else 1)
+    issued = can_prefetch(c, units, limit, in_backward=False)
+    assert issued is (not limit)
+    if issued:  # what the step does then (core/fsdp.py, _prefetch): start the all-gather
+        c._handle.state = HandleState.GATHERING
     assert alive_units(units) == (2 if limit else 3)

@@ -1,5 +1,6 @@
-"""Repository-wide checks: lint clean, README commands in step with CI."""
+"""Repository-wide checks: lint clean, README commands in step with CI, a test run leaves the checkout as it was."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -45,3 +46,44 @@ def test_no_file_cites_an_issue_number():
     hits = [f"{f}:{n}: {line.strip()[:100]}" for f in files for n, line in
             enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1) if cite.search(line)]
     assert not hits, "\n".join(hits[:30])
+
+
+def _code_cells(nb: Path) -> list[str]:
+    cells = json.loads(nb.read_text())["cells"]
+    return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+
+
+def test_notebooks_save_figures_into_the_checkout_only_when_asked(tmp_path, monkeypatch):
+    """Running the tests runs every notebook (nbval): a test run must leave the checkout as it was.
+
+    The notebooks write files in two ways only: the chapters' figures, through ``save_figure``, which writes
+    into ``chapters/figures/`` only with ``MINIFSDP_SAVE_FIGURES=1`` (checked here, on a repository of its own
+    in ``tmp_path``), and their jobs' output, into folders from ``tempfile`` (checked: no other call that
+    saves or writes appears in a notebook's code).  The README's commands write ``out/``, which git ignores."""
+    from matplotlib.figure import Figure
+
+    from minifsdp.tools import viz
+
+    (tmp_path / "chapters").mkdir()
+    fig = Figure(figsize=(1, 1))
+    monkeypatch.delenv(viz.SAVE_FIGURES_ENV, raising=False)
+    path = viz.save_figure(fig, "hygiene_probe", root=tmp_path)
+    assert path.exists() and tmp_path not in path.parents, path
+    assert not (tmp_path / "chapters" / "figures").exists()
+    monkeypatch.setenv(viz.SAVE_FIGURES_ENV, "1")
+    want = tmp_path / "chapters" / "figures" / "hygiene_probe.png"
+    assert viz.save_figure(fig, "hygiene_probe", root=tmp_path) == want and want.exists()
+
+    writes = re.compile(r"\.savefig\(|\bimsave\(|torch\.save\(|np\.save|\.to_csv\(|open\([^)]*['\"][wa]b?['\"]")
+    unsafe = []
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for src in _code_cells(nb):
+            unsafe += [f"{nb.name}: {line.strip()[:100]}" for line in src.splitlines() if writes.search(line)]
+            if ("write_text(" in src or "checkpoint.save(" in src or "--profile" in src) and "TMP" not in src \
+                    and "WORK" not in src and "workdir" not in src:
+                unsafe.append(f"{nb.name}: a cell writes files but names no temporary folder: {src[:100]!r}")
+    assert not unsafe, "\n".join(unsafe)
+    written = ["out/run/log.jsonl", "out/compare_losses.png", "out/bench_fsdp.json", "out/browser/01.png"]
+    ignored = subprocess.run(["git", "check-ignore", *written], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(ignored.stdout.split()) == sorted(written), "git does not ignore out/, where the README's " \
+        f"commands write: {ignored.stdout!r}"

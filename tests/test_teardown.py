@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,19 @@ def test_close_finishes_queued_jobs_then_stops_the_thread():
     with pytest.raises(RuntimeError, match="closed"):
         s.submit(lambda: None)
     assert s.close(timeout=1)  # twice is fine
+
+
+def test_a_finished_job_lets_go_of_its_tensors_at_once():
+    """A job closes over the tensors it moves; once it has run, nothing of ours may keep them alive (a
+    thread holding its last job until the next one arrived kept a unit's whole gradient, or a dropped
+    model's bucket, alive in between)."""
+    s = S.CommStream("release-test")
+    t = torch.ones(1000)
+    ref = weakref.ref(t)
+    s.submit(lambda t=t: t.add_(1)).wait()
+    del t
+    assert ref() is None
+    assert s.close(timeout=10)
 
 
 def test_close_streams_stops_every_thread_and_forgets_the_groups():

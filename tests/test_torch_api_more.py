@@ -145,16 +145,27 @@ def test_nonuniform_req_grad_model_state_dict_as_torch(with_step):
     assert list(rs[0]["ours"]["state_dict"])[0] == "module.0.weight"
 
 
-@pytest.mark.parametrize(("kind", "orig"), [("FULL_STATE_DICT", False), ("FULL_STATE_DICT", True),
-                                            ("SHARDED_STATE_DICT", False), ("SHARDED_STATE_DICT", True),
-                                            ("LOCAL_STATE_DICT", False)])
+PLAIN_ROOT = [("FULL_STATE_DICT", False), ("FULL_STATE_DICT", True), ("SHARDED_STATE_DICT", False),
+              ("SHARDED_STATE_DICT", True), ("LOCAL_STATE_DICT", False)]
+
+
+def _without_value_kinds(result: dict) -> dict:
+    """The case's result without ``whole_values`` (the keys whose value is a plain tensor): at 2 ranks SHARDED and
+    LOCAL values are sharded on both sides, but of different classes (DTensor / plain shard vs ShardedTensor:
+    the module docstring of minifsdp/fsdp/state_dict_type.py says why)."""
+    return {k: v for k, v in result.items() if k != "whole_values"}
+
+
+@pytest.mark.parametrize(("kind", "orig"), PLAIN_ROOT)
 def test_state_dict_through_a_plain_root_loads_as_torch(kind, orig):
     """A plain ``nn.Module`` root with FSDP children: ``load_state_dict`` of what ``state_dict()`` gave restores
     the trained model (the resumed run's losses are the uninterrupted run's, bitwise, as torch's), and the
     strict checks raise as torch's for an extra and a missing key.  (LOCAL with ``use_orig_params=True`` is left
     out: torch FSDP1 itself fails to load it here, "Unexpected key(s) ... body._flat_param".)"""
-    rs = run("plain_root_state_dict", kind, orig)
-    for r in rs:
+    rs = spawn(W.both, ("plain_root_state_dict", kind, orig), world_size=2)
+    assert len(rs) == 2
+    for rank, r in enumerate(rs):
+        assert_bitwise(_without_value_kinds(r["ours"]), _without_value_kinds(r["torch"]), f"rank {rank}")
         assert r["ours"]["result"] == ([], []) and r["ours"]["extra"] == r["ours"]["missing"] == "RuntimeError"
         assert r["ours"]["missing_lax"] == ["plain.bias"]
         assert r["ours"]["resumed_losses"] == r["ours"]["more_losses"]
@@ -184,7 +195,10 @@ def test_use_orig_params_refuses_a_write_back_as_torch(how):
     assert [r["ours"] for r in rs] == [{"shape": "RuntimeError", "between": "AssertionError"}[how]] * 2
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+TWO_OPTIMIZERS = ["FULL_SHARD", "NO_SHARD"]
+
+
+@pytest.mark.parametrize("strategy", TWO_OPTIMIZERS)
 def test_two_optimizers_over_one_model_as_torch(strategy):
     """use_orig_params=True, two optimizers over disjoint parameters, one zeroing to None and one to zeros:
     losses, every gradient and the full parameters after 3 steps bitwise torch FSDP1's."""
@@ -200,3 +214,39 @@ def test_summon_with_grads_edits_as_torch(strategy, writeback):
     the gradients after and the parameters after a step bitwise torch FSDP1's."""
     rs = run("summon_with_grads_edit", strategy, writeback)
     assert len(rs[0]["ours"]["inside"]) == len(rs[0]["ours"]["after"]) == 6
+
+
+# ---------------------------------------------------------------- the same cases at 1 and 3 ranks
+AT_ANY_WORLD = ([("plain_root_state_dict", k, o) for k, o in PLAIN_ROOT]
+                + [("two_optimizers", s) for s in TWO_OPTIMIZERS])
+_AT_WORLD: dict = {}
+
+
+def _at_world(world: int) -> list:
+    """Every case of AT_ANY_WORLD at ``world`` ranks, in one spawn (start-up costs more than the cases)."""
+    if world not in _AT_WORLD:
+        _AT_WORLD[world] = spawn(W.many, (AT_ANY_WORLD,), world_size=world, timeout_s=240)
+    return _AT_WORLD[world]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("case", AT_ANY_WORLD, ids=lambda c: "-".join(map(str, c)))
+def test_plain_root_and_two_optimizers_as_torch_at_one_and_three_ranks(case, world):
+    """The plain-root state-dict cases and the two-optimizer cases above, at 1 rank (FULL_SHARD becomes NO_SHARD)
+    and at 3 (Linear(5, 13) and Linear(13, 11) straddle shards no size divides).  Oracle: torch FSDP1 on the same
+    ranks; bitwise.  At 1 rank each state-dict value that torch gives as a whole tensor is one in ours too."""
+    results = _at_world(world)
+    assert len(results) == world
+    i = AT_ANY_WORLD.index(case)
+    for rank, per_case in enumerate(results):
+        r = per_case[i]
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+        if case[0] == "plain_root_state_dict":
+            if world == 1:
+                assert r["ours"]["whole_values"] == r["torch"]["whole_values"], "values torch gives whole"
+            assert_bitwise(_without_value_kinds(r["ours"]), _without_value_kinds(r["torch"]), f"rank {rank}")
+            assert r["ours"]["result"] == ([], []) and r["ours"]["missing_lax"] == ["plain.bias"]
+            assert r["ours"]["resumed_losses"] == r["ours"]["more_losses"]
+        else:
+            assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
+            assert len(r["ours"]["losses"]) == 3 and len(r["ours"]["grads"][0]) == 6

@@ -41,12 +41,19 @@ def test_table_from_a_tiny_report():
 
 
 def test_runner_catches_planted_faults():
-    ids = ["wrong_param", "crash_ours", "forgot_wait", "fine"]
+    """A case failing on one rank only, while the other waits for it in a collective, ends its batch as soon as
+    the failed rank has waited ``LEFT_WAITING_S`` for the other (not at the batch's time limit): its result names
+    the failure, and its traceback holds the failed rank's and where the other waited; the cases after it run."""
+    ids = ["wrong_param", "crash_ours", "fails_on_one_rank_only", "forgot_wait", "fine"]
     res = H._run("tests.torch_suite._selftest", ids, 2)
-    assert len(res) == 4
+    assert len(res) == 5
     assert res["forgot_wait"]["torch"] is None and "vs DDP" in res["forgot_wait"]["ours"]
     assert res["wrong_param"]["torch"] is None and "vs DDP" in res["wrong_param"]["ours"]
     assert res["crash_ours"]["torch"] is None and "died" in res["crash_ours"]["ours"]
+    one = res["fails_on_one_rank_only"]
+    assert one["torch"] is None and "rank 1 failed (AssertionError: planted" in one["ours"], one
+    assert "left waiting" in one["ours"] and "dist.all_reduce(torch.ones(1))" in one["ours_tb"], one
+    assert "--- rank 1: AssertionError" in one["ours_tb"], one
     assert res["fine"]["torch"] is None and res["fine"]["ours"] is None
 
 

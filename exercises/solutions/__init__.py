@@ -1,12 +1,26 @@
-"""The exercises' answers that are not minifsdp's own code, in one place.
+"""The instructor's answers, one module per stub module of ``exercises/`` and of the same name.
 
-Most tasks are graded against the library itself (the ring is ``minifsdp/comm/ring.py``, the
-prefetch order ``minifsdp/fsdp/core/prefetch.py``, the checkpoint pieces
-``minifsdp/checkpoint/pieces.py``, ...).  The answers below are written only for the exercises:
-read them after you are done.
+``tests/exercises/__init__.py::impl_module`` hands a task's tests ``exercises.solutions.<name>`` under
+``--impl=reference`` and the learner's ``exercises.<name>`` under ``--impl=student``; the tests compute
+what each function must return from the library or from torch, never from these files.  Where the
+library is the answer, the module re-exports the library's function under the stub's name (and signature);
+where it is not, the answer is written here.  Every module imports only ``minifsdp`` and torch, so copying
+it over its stub (``exercises/solutions/ring_collectives.py`` -> ``exercises/ring_collectives.py``) gives
+a stub module that earns every point: CI does exactly that in the student edition.
 
-    fsdp_ops.py          2.1a-c  flatten and shard, unflatten, the reduce-scatter of a gradient, the clip
-    corrected_call.py    2.5b    the corrected torch FSDP1 call of the source's section 2.5
-    consolidate.py       3.1     a plain state dict from every rank's flat shards
-    mixed_precision.py   4.1b    one unit's gradient reduction under mixed precision, ranks simulated
+The student edition (``python -m minifsdp course student-copy DIR``) leaves this folder out.
+
+    ddp_bucketing.py       1.1         minifsdp.ddp.buckets.assign_buckets
+    launch_tasks.py        1.3         torch.utils.data.DistributedSampler's cut, written here
+    fsdp_tasks.py          2.1a-c      written here: flatten and shard, unflatten, the reduce-scatter, the clip
+    ring_collectives.py    2.2a-c      minifsdp.comm.ring (the textbook ring)
+    memory_tasks.py        2.3a-b, 2.4 minifsdp.memory.zero_formulas
+    overlap_tasks.py       2.5, 4.1a-b minifsdp.fsdp.core.prefetch, .mixed_precision; 4.1b written here
+    config_tasks.py        2.5b, 3.1   written here: the corrected torch FSDP1 call, consolidation for serving
+    practice_tasks.py      3.2a-b, 3.3 minifsdp.tools.train.lr_factor, minifsdp.tools.train_monitor
+    hf_tasks.py            4.2         minifsdp.fsdp.core.wrap.transformer_auto_wrap_policy
+    checkpoint_tasks.py    4.3a-b      minifsdp.checkpoint.pieces
+    parallel_tasks.py      4.4a-b      written here (RowwiseParallel's math); 4.4b from pipeline_schedules
+    fsdp2_tasks.py         5.1-5.2     written here (FSDPParam's layout, from torch.chunk's rule)
+    fsdp2_catch_fault.py   5.3         written here: a test that catches a planted FSDP2 fault
 """

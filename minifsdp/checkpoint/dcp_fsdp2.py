@@ -2,7 +2,7 @@
 
 DCP reads from each DTensor in a state dict which rows of the whole tensor this rank has: one *chunk*
 ``(offset, sizes)`` per rank.  Our ``fully_shard`` labels its sharded parameters as DTensors (``Shard(0)``
-on the mesh, see :mod:`minifsdp.fsdp2.param`) over the same rows as torch's (``torch.chunk``'s rule), and its
+on the mesh, see :mod:`minifsdp.fsdp2.core.param`) over the same rows as torch's (``torch.chunk``'s rule), and its
 ``state_dict()`` first reshards any group a forward left gathered, so ``model.state_dict()`` is already what
 DCP needs, with the original fully qualified names (``blocks.0.attn.qkv.weight``)::
 

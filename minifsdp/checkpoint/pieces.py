@@ -20,8 +20,9 @@ shard, so the *same* pieces map them; scalars (``step``) are copied per paramete
 
 All of it is one piece of arithmetic, :func:`overlap`: which part of a run of
 numbers lies inside a window.  Saving cuts each parameter by this rank's shard
-(:func:`holders`, re-exported from ``minifsdp/fsdp/param_pieces.py``: the one map FSDP's
-own optimizer state dict reads too); loading cuts each saved piece by the range being
+(:func:`piece_table`, re-exported from ``minifsdp/fsdp/param_pieces.py``: the one map FSDP's
+own optimizer state dict reads too, built once per save and read by every part of it);
+loading cuts each saved piece by the range being
 filled (:class:`PieceReader`).  :func:`save_pieces` / :func:`load_shard` at the bottom are
 the same two steps on plain tensors, small enough to read in one go (the reference for
 exercises 4.3a-b).
@@ -37,11 +38,10 @@ import torch
 import torch.nn as nn
 
 from minifsdp.fsdp.core.flat_param import overlap, padded_size
-from minifsdp.fsdp.core.units import units_with_params
-from minifsdp.fsdp.param_pieces import Holder, Piece, holders, key_of, module_names
+from minifsdp.fsdp.param_pieces import Holder, Piece, PieceRow, PieceTable, holders, key_of, module_names, piece_table
 
-__all__ = ["module_names", "key_of", "Piece", "Holder", "overlap", "shard_numel", "holders", "param_specs",
-           "persistent_buffers", "PieceReader", "save_pieces", "load_shard"]
+__all__ = ["module_names", "key_of", "Piece", "Holder", "PieceRow", "PieceTable", "piece_table", "overlap",
+           "shard_numel", "holders", "param_specs", "persistent_buffers", "PieceReader", "save_pieces", "load_shard"]
 
 
 def shard_numel(total: int, world_size: int) -> int:
@@ -50,40 +50,14 @@ def shard_numel(total: int, world_size: int) -> int:
 
 
 def param_specs(model: nn.Module) -> tuple[dict[str, dict], dict[str, str]]:
-    """({fqn: {shape, dtype}} of every parameter stored once, {tied alias: owner fqn})."""
-    names, specs, tied = module_names(model), {}, {}
-    fsdp_units = units_with_params(model)
-    for unit in fsdp_units:
-        h = unit._handle
-        for slot in h.layout.slots:
-            specs[key_of(names, slot.module, slot.name)] = {"shape": list(slot.shape),
-                                                            "dtype": str(h.flat_param.dtype)}
-        for sh in h.layout.shared:
-            owner = h.layout.slots[sh.primary]
-            tied[key_of(names, sh.module, sh.name)] = key_of(names, owner.module, owner.name)
-    if not fsdp_units:  # a plain model: walk its modules (a tied weight is an attribute of two of them)
-        seen: dict[int, str] = {}
-        for mod in model.modules():
-            for attr, p in mod._parameters.items():
-                if p is None:
-                    continue
-                fqn = key_of(names, mod, attr)
-                if id(p) in seen:
-                    tied[fqn] = seen[id(p)]
-                else:
-                    seen[id(p)] = fqn
-                    specs[fqn] = {"shape": list(p.shape), "dtype": str(p.dtype)}
-    return specs, tied
+    """({fqn: {shape, dtype}} of every parameter stored once, {tied alias: owner fqn}): the piece table's."""
+    table = piece_table(model)
+    return table.specs, table.tied
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """{plain name: buffer} of the buffers a state dict holds (not those registered ``persistent=False``)."""
-    names, out = module_names(model), {}
-    for m in model.modules():
-        for b_name, b in m._buffers.items():
-            if b is not None and b_name not in m._non_persistent_buffers_set:
-                out[key_of(names, m, b_name)] = b
-    return out
+    return piece_table(model).buffers
 
 
 class PieceReader:

@@ -45,7 +45,7 @@ from minifsdp.checkpoint.files import (
     write_manifest,
 )
 from minifsdp.checkpoint.files import rank_file as _rank_file
-from minifsdp.checkpoint.pieces import PieceReader, holders, key_of, module_names, param_specs, persistent_buffers
+from minifsdp.checkpoint.pieces import PieceReader, piece_table
 from minifsdp.checkpoint.state_dicts import (
     all_gather_object,
     full_optim_state_dict,
@@ -76,18 +76,6 @@ def _agree(fn, group=None):
     return value
 
 
-def _units_meta(model: nn.Module) -> list[dict]:
-    """Each unit's flat layout, for the manifest (how the shards were cut; loading does not need it)."""
-    names, out = module_names(model), []
-    for unit in units_with_params(model):
-        h, layout = unit._handle, unit._handle.layout
-        out.append({"strategy": unit.sharding_strategy.name, "use_orig_params": h.use_orig_params,
-                    "world_size": layout.world_size, "numel": layout.numel, "padded_numel": layout.padded_numel,
-                    "slots": [{"fqn": key_of(names, s.module, s.name), "shape": list(s.shape), "offset": s.offset}
-                              for s in layout.slots]})
-    return out
-
-
 def save(directory: str, model: nn.Module, optimizer=None, extra=None, full: bool = False,
          overwrite: bool = False, group=None) -> None:
     """Write a checkpoint of ``model`` (and ``optimizer``) to ``directory``; collective.
@@ -103,19 +91,19 @@ def save(directory: str, model: nn.Module, optimizer=None, extra=None, full: boo
     tmp = directory.rstrip("/") + ".tmp"
     _agree(lambda: begin_directory(directory, overwrite) if rank == 0 else None, group)
     extras = all_gather_object(extra, group)
-    specs, tied = param_specs(model)
-    buffers = persistent_buffers(model)
+    table = piece_table(model, optimizer)  # one walk of the model: every part of the save below reads it
+    specs, tied, buffers = table.specs, table.tied, table.buffers
 
     def write():
         if full:  # every rank takes part in the gathers; rank 0 writes
             msd = full_state_dict(model, rank0_only=True)
-            osd = full_optim_state_dict(model, optimizer, group=group) if optimizer is not None else None
+            osd = full_optim_state_dict(model, optimizer, group=group, table=table) if optimizer is not None else None
             if rank != 0:
                 return {}
             info = save_object(os.path.join(tmp, FULL_FILE), {"model": msd, "optim": osd, "extra": extras})
             info["pieces"] = {f: [0, int(torch.Size(s["shape"]).numel())] for f, s in specs.items()}
             return {FULL_FILE: info}
-        sd = sharded_state_dict(model, optimizer)
+        sd = sharded_state_dict(model, optimizer, table=table)
         payload = {"model": sd["model"], "optim": sd["optim"] if optimizer is not None else None}
         if rank == 0:
             payload["model"].update({k: v.detach().clone() for k, v in buffers.items()})
@@ -134,7 +122,7 @@ def save(directory: str, model: nn.Module, optimizer=None, extra=None, full: boo
         write_manifest(tmp, {"kind": "full" if full else "sharded", "world_size": world,
                              "main_file": FULL_FILE if full else _rank_file(0), "params": specs, "tied": tied,
                              "buffers": sorted(buffers), "has_optimizer": optimizer is not None,
-                             "units": _units_meta(model), "torch_version": torch.__version__, "files": files})
+                             "units": list(table.units), "torch_version": torch.__version__, "files": files})
         commit_directory(tmp, directory)
 
     _agree(commit, group)  # the rename is done before any rank returns
@@ -148,7 +136,8 @@ def load(directory: str, model: nn.Module, optimizer=None, reshard: bool = True,
     ``group``: the ranks that call ``load`` (default: all).
     """
     rank, world = rank_and_world(group)
-    my_holders = holders(model)
+    table = piece_table(model)
+    my_holders = table.my_holders
     cache: dict[str, dict] = {}  # file name -> its loaded dict: each file read at most once
 
     def open_file(name):
@@ -165,7 +154,7 @@ def load(directory: str, model: nn.Module, optimizer=None, reshard: bool = True,
         if not reshard and manifest["world_size"] != world:
             raise CheckpointError(f"{where}: written by {manifest['world_size']} ranks, loading on {world} with "
                                   "reshard=False; pass reshard=True to re-cut the shards")
-        specs, _ = param_specs(model)
+        specs = table.specs
         saved = manifest["params"]
         missing, unexpected = sorted(set(specs) - set(saved)), sorted(set(saved) - set(specs))
         shapes = [f"{f}: checkpoint {saved[f]['shape']} vs model {s['shape']}" for f, s in specs.items()
@@ -197,11 +186,11 @@ def load(directory: str, model: nn.Module, optimizer=None, reshard: bool = True,
                     if not reader.fill(flat[p.src_lo : p.src_hi], p.fqn, p.lo, p.hi, lambda f, q: f["model"].get(q)):
                         raise CheckpointError(f"{directory}: no file holds {p.fqn}[{p.lo}:{p.hi}]")
             main = open_file(manifest["main_file"])
-            for name, buf in persistent_buffers(model).items():
+            for name, buf in table.buffers.items():
                 if name in main["model"]:
                     buf.copy_(main["model"][name])
             if optimizer is not None:
-                load_optimizer_from(reader, model, optimizer)
+                load_optimizer_from(reader, model, optimizer, table)
                 load_param_groups(optimizer, main["optim"]["param_groups"], directory)
         extras = main["extra"]
         return extras[rank] if len(extras) == world else extras[0]

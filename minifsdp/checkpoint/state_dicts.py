@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.checkpoint.pieces import PieceReader, holders
+from minifsdp.checkpoint.pieces import PieceReader, PieceTable, piece_table
 from minifsdp.fsdp import optim_state as fsdp_optim_state
-from minifsdp.fsdp.core.full_params import full_state_dict as _fsdp_full_state_dict
 from minifsdp.fsdp.core.units import units
+from minifsdp.fsdp.full_state_dict import full_state_dict as _fsdp_full_state_dict
 
 __all__ = ["full_state_dict", "sharded_state_dict", "full_optim_state_dict", "load_full_optim_state_dict",
            "rank_and_world", "all_gather_object"]
@@ -68,9 +68,9 @@ def _optim_state_of(optimizer, holder) -> dict[str, dict]:
     return out
 
 
-def _param_groups(model, optimizer) -> list[dict]:
+def _param_groups(table: PieceTable, optimizer) -> list[dict]:
     """Hyperparameters per group, with the original names of the parameters in it (as torch FSDP1)."""
-    names = {id(h.tensor): [p.fqn for p in h.pieces] for h in holders(model)}
+    names = {id(h.tensor): [p.fqn for p in h.pieces] for h in table.my_holders}
     groups = []
     for g in optimizer.param_groups:
         groups.append({**{k: v for k, v in g.items() if k != "params"},
@@ -78,15 +78,16 @@ def _param_groups(model, optimizer) -> list[dict]:
     return groups
 
 
-def sharded_state_dict(model: nn.Module, optimizer=None) -> dict:
+def sharded_state_dict(model: nn.Module, optimizer=None, table: PieceTable | None = None) -> dict:
     """This rank's pieces only (no communication).
 
     Returns ``{"model": {fqn: 1-D tensor}, "optim": {"state": {fqn: {key: ...}}}, "pieces": {fqn: [lo, hi]}}``:
     ``model[fqn]`` holds numbers ``[lo, hi)`` of ``fqn`` flattened; replicas write
-    nothing (see the Note in ``pieces.py``).
+    nothing (see the Note in ``pieces.py``).  ``table``: the model's piece table, if the caller has it.
     """
+    table = table if table is not None else piece_table(model, optimizer)
     model_sd, optim_state, pieces = {}, {}, {}
-    for h in holders(model):
+    for h in table.my_holders:
         if not h.writes:
             continue
         flat = h.tensor.detach().reshape(-1)
@@ -96,27 +97,29 @@ def sharded_state_dict(model: nn.Module, optimizer=None) -> dict:
         optim_state.update(_optim_state_of(optimizer, h))
     out = {"model": model_sd, "optim": {"state": optim_state}, "pieces": pieces}
     if optimizer is not None:
-        out["optim"]["param_groups"] = _param_groups(model, optimizer)
+        out["optim"]["param_groups"] = _param_groups(table, optimizer)
     return out
 
 
-def full_optim_state_dict(model: nn.Module, optimizer, rank0_only: bool = True, group=None) -> dict:
+def full_optim_state_dict(model: nn.Module, optimizer, rank0_only: bool = True, group=None,
+                          table: PieceTable | None = None) -> dict:
     """The optimizer state with whole tensors under original names (collective: gathers every rank's pieces).
 
     torch FSDP1's ``FSDP.optim_state_dict`` format, and the same function
     (``minifsdp/fsdp/optim_state.py``); on other ranks ``{}`` when ``rank0_only``.  ``group``: the
     ranks the model is sharded over (default: its shard group, or all).
     """
-    return fsdp_optim_state.full_optim_state_dict(model, optimizer, rank0_only=rank0_only, group=group)
+    return fsdp_optim_state.full_optim_state_dict(model, optimizer, rank0_only=rank0_only, group=group, table=table)
 
 
-def load_optimizer_from(reader: PieceReader, model: nn.Module, optimizer) -> None:
+def load_optimizer_from(reader: PieceReader, model: nn.Module, optimizer, table: PieceTable | None = None) -> None:
     """Rebuild every holder's optimizer state from saved pieces (any layout to any layout)."""
+    table = table if table is not None else piece_table(model)
 
     def pick_key(key):
         return lambda f, q: f["optim"]["state"].get(q, {}).get(key)
 
-    for h in holders(model):
+    for h in table.my_holders:
         if not h.pieces:
             continue
         first = reader.scalar(h.pieces[0].fqn, lambda f, q: f["optim"]["state"].get(q))

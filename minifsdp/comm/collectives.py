@@ -21,12 +21,26 @@ The names ``ring_all_reduce``, ``ring_reduce_scatter`` and ``ring_all_gather`` h
 ones (with ``async_op``); the textbook's, without it, are ``minifsdp.comm.ring``'s.
 ``naive_all_reduce`` is the parameter-server shape, for contrast (:mod:`minifsdp.comm.naive`).
 
+Note (torch's collectives let go before ``wait()`` returns): gloo runs a collective on a worker
+thread of its own, which marks the work done (``wait()`` returns) and only then drops its
+reference to the work, and with it to the tensors.  Until that thread gets the CPU again, a
+tensor the caller has dropped (a gradient after ``zero_grad``) stays alive: a census taken then
+counts it, and a test comparing memory with torch fails by chance, by one unit's gradient.  So
+on CPU tensors ``TorchCollectives`` hands torch an alias of each tensor that no one else holds
+(``detach()``: the same storage, a handle of its own) and, once the work is done, waits until the
+alias's use count is back to what it was before torch saw it, and only then returns from ``wait()``:
+the collective keeps nothing of the caller's, as ours keep nothing (:mod:`minifsdp.comm.stream`,
+Note (a finished job is dropped)).  Usually it is back already; the wait gives up after ``LET_GO_S``.  (NCCL's work
+belongs to a GPU stream, not a thread; GPU tensors go to torch as they are.)
+
 Note (precision): sums are accumulated in the tensor's own dtype, chunk by chunk in ring order
 (:mod:`minifsdp.comm.ring`, Note (the same bits on every rank)); ``op="avg"`` divides once; for
 integer tensors it raises (floor or round?  say what you mean: sum, then divide yourself).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,7 +56,7 @@ from minifsdp.comm.tuned.header import CARRY_BYTES
 __all__ = [
     "naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
     "chunk_bounds", "count_bytes", "ByteStats", "get_collectives", "COLLECTIVE_KINDS", "Work", "CARRY_BYTES",
-    "RingCollectives", "TextbookCollectives", "TorchCollectives",
+    "RingCollectives", "TextbookCollectives", "TorchCollectives", "LettingGoWork", "letting_go", "LET_GO_S",
 ]
 
 
@@ -89,8 +103,52 @@ class TextbookCollectives:
                              "textbook all_gather", async_op)
 
 
+LET_GO_S = 2.0  # the longest wait for torch's worker thread to drop a finished collective's tensors
+
+
+class LettingGoWork:
+    """torch's work on CPU tensors; ``wait()`` returns once the process group has let go of them too
+    (Note (torch's collectives let go before ``wait()`` returns))."""
+
+    def __init__(self, work, aliases: tuple, own: tuple):
+        self._work, self._aliases, self._own = work, aliases, own  # own: each alias's count before torch saw it
+
+    def wait(self, *timeout) -> bool:
+        if self._work is not None:
+            self._work.wait(*timeout)
+            self._work = None  # our reference to torch's work (its future holds the outputs)
+            deadline = time.monotonic() + LET_GO_S
+            while any(_use_count(a) > n for a, n in zip(self._aliases, self._own)) and time.monotonic() < deadline:
+                time.sleep(1e-4)  # the GIL and the CPU for gloo's thread
+            self._aliases = self._own = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """How many references hold ``t``'s tensor (torch's ``Tensor._use_count``; 0 where torch lacks it: no wait)."""
+    count = getattr(t, "_use_count", None)
+    return count() if count is not None else 0
+
+
+def letting_go(call, tensors: tuple, async_op: bool):
+    """``call(*tensors, async_op)``; on plain CPU tensors, through aliases whose release ``wait()`` waits for."""
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors):
+        return call(*tensors, async_op)
+    aliases = tuple(t.detach() for t in tensors)
+    own = tuple(_use_count(a) for a in aliases)  # 1, or 2 where torch counts the Python object's own reference
+    work = LettingGoWork(call(*aliases, True), aliases, own)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 class TorchCollectives:
-    """torch.distributed's own collectives behind the same interface (the oracle)."""
+    """torch.distributed's own collectives behind the same interface (the oracle); on CPU tensors its
+    ``wait()`` returns once torch has let go of them (Note (torch's collectives let go ...))."""
 
     kind = "torch"
 
@@ -103,15 +161,16 @@ class TorchCollectives:
         return op
 
     def all_reduce(self, tensor, op="sum", group=None, async_op=False):
-        return dist.all_reduce(tensor, op=self._op(op), group=group, async_op=async_op)
+        op = self._op(op)
+        return letting_go(lambda t, a: dist.all_reduce(t, op=op, group=group, async_op=a), (tensor,), async_op)
 
     def reduce_scatter(self, output, input, op="sum", group=None, async_op=False):
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return fn(output, input, op=self._op(op), group=group, async_op=async_op)
+        fn, op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor, self._op(op)
+        return letting_go(lambda o, i, a: fn(o, i, op=op, group=group, async_op=a), (output, input), async_op)
 
     def all_gather(self, output, input, group=None, async_op=False):
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return fn(output, input, group=group, async_op=async_op)
+        return letting_go(lambda o, i, a: fn(o, i, group=group, async_op=a), (output, input), async_op)
 
 
 _KINDS = {"ring": RingCollectives, "textbook": TextbookCollectives, "torch": TorchCollectives}

@@ -35,6 +35,13 @@ bytes: with torch's default thread count our ring ran 5 to 25 times slower, gloo
 gloo adds on one thread; so do we.  The setting is the thread's own (OpenMP's is per thread), so
 the caller's compute keeps its threads.  Measured: ``chapters/results/ring_threads.md``.
 
+Note (a finished job is dropped): a job is a closure over its collective's tensors.  The thread
+lets go of it as soon as it has run, *before* it wakes the waiter: when ``wait()`` returns, the
+stream holds nothing of the caller's, so a tensor the caller drops is freed at once (a thread that
+kept its last job until the next one came would keep the last gradient alive while the stream idles,
+memory a census counts and torch does not hold).  Between collectives a stream keeps only the tuned
+ring's header receives posted ahead (``doorbells``: :mod:`minifsdp.comm.tuned.header`).
+
 Note (closing before exit): a stream's thread is a daemon, and Python does not
 wait for daemon threads at exit.  A thread still inside a send or receive when
 the interpreter shuts down dies in C++ as it tries to take the GIL back, and
@@ -118,8 +125,7 @@ class CommStream:
 
     def __init__(self, name: str):
         self.name = name
-        self.workspace: dict = {}  # scratch buffers the jobs may reuse (they run one at a time)
-        self.doorbells: dict = {}  # the tuned ring's header receives posted ahead (comm/tuned/header.py)
+        self.doorbells: dict = {}  # the tuned ring's header receives posted ahead: all it keeps (comm/tuned/header.py)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._submit_lock = threading.Lock()  # no job may slip in behind the stop marker
@@ -189,9 +195,11 @@ class CommStream:
                 error_or_none = error
             else:
                 error_or_none = None
+            job = None  # Note (a finished job is dropped): before the waiter wakes, never at the next job
             with self._submit_lock:
                 self._unfinished -= 1
             work._finish(error_or_none)
+            work = error_or_none = None
 
 
 _STREAMS: dict[Any, CommStream] = {}

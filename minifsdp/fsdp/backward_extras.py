@@ -1,4 +1,4 @@
-"""Two more backward hooks the public class adds to the core's (``core/backward.py``).
+"""Two more backward hooks the public class adds to the core's (``core/fsdp.py``): :class:`BackwardExtras`.
 
 * **A frozen unit's reshard** (torch FSDP1's ``_post_backward_reshard_only_hook``).  A unit whose
   parameters do not require grad (LoRA-style runs) has no gradient leaf to hook, so the core
@@ -25,56 +25,69 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from minifsdp.fsdp.core.backward import frees_in_backward, prefetch_after
+from minifsdp.fsdp.core.extension import Extension
 from minifsdp.fsdp.core.state import TrainingState
 
-__all__ = ["register_reshard_only_hook", "post_backward_reshard", "register_free_before_concat"]
+__all__ = ["BackwardExtras"]
 
 
-def register_reshard_only_hook(unit, args, kwargs) -> None:
-    """Pre-forward of a frozen unit: arrange :func:`post_backward_reshard` for when autograd is past it.
+class BackwardExtras(Extension):
+    """The two hooks above, for one unit: registered in its forward (``before_forward``, ``after_unshard``),
+    the first removed by the final callback (``after_backward``).  ``free_before_concat``: the second one too."""
 
-    Registered at the first forward of an iteration, removed by the final callback.  No input that
-    requires grad (a frozen embedding, first in the model): nothing to hook, the final callback frees it.
-    """
-    if unit._reshard_only_hook is not None or not torch.is_grad_enabled():
-        return
-    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    if inputs:
-        unit._reshard_only_hook = register_multi_grad_hook(inputs, lambda _grads: post_backward_reshard(unit))
+    def __init__(self, free_before_concat: bool = True):
+        self.free_before_concat = free_before_concat
+        self.reshard_only_hook = None  # a frozen unit's post-backward, on its inputs
+        self.free_token = None  # the free-before-concat hook of this iteration
+        self.again = False  # this forward runs again before the previous one's backward
+
+    def before_forward(self, unit, args, kwargs) -> None:
+        """A frozen unit: arrange its post-backward for when autograd is past it (once per iteration).
+        No input that requires grad (a frozen embedding, first in the model): nothing to hook, the final
+        callback frees it."""
+        self.again = unit.training_state is TrainingState.AWAITING_BACKWARD
+        h = unit._handle
+        if h is None or h.unsharded.requires_grad or self.reshard_only_hook is not None \
+                or not torch.is_grad_enabled():
+            return
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            ref = weakref.ref(unit)
+            self.reshard_only_hook = register_multi_grad_hook(inputs, lambda _grads: _post_backward_reshard(ref()))
+
+    def after_unshard(self, unit) -> None:
+        """Forward, once the views are made: free the parameters when the split's backward node is reached."""
+        if unit.training_state is not TrainingState.FORWARD:
+            return
+        h = unit._handle
+        self.free_token = None  # a second forward (or no such node): the post-backward frees, as torch
+        if self.again or not self.free_before_concat or not h.sharded or not torch.is_grad_enabled() \
+                or not h.unsharded.requires_grad:
+            return
+        slot = h.layout.slots[0]
+        node = getattr(slot.module.__dict__.get(slot.name), "grad_fn", None)
+        while node is not None and node.name() != "SplitWithSizesBackward0":  # the view's ViewBackward0, then split
+            node = node.next_functions[0][0] if node.next_functions else None
+        if node is None:
+            return
+        token = self.free_token = object()
+        ref = weakref.ref(unit)  # the hook lives in C++ with the graph: no reference that keeps the model alive
+        node.register_prehook(lambda _grads: self._free_before_concat(ref(), token))
+
+    def _free_before_concat(self, unit, token) -> None:
+        if unit is not None and self.free_token is token \
+                and unit.training_state is TrainingState.PRE_BACKWARD and unit._should_free_in_backward():
+            unit._handle.reshard()
+
+    def after_backward(self, unit) -> None:
+        if self.reshard_only_hook is not None:
+            self.reshard_only_hook.remove()
+            self.reshard_only_hook = None
 
 
-def post_backward_reshard(unit) -> None:
-    """A frozen unit's post-backward: nothing to reduce; free its parameters, prefetch (BACKWARD_POST)."""
-    h = unit._handle
-    unit.training_state = TrainingState.POST_BACKWARD
-    if h.tracer is not None:
-        h.tracer.close("backward", h.name)
-    h.after_backward()
-    if frees_in_backward(unit):
-        h.reshard()
-    prefetch_after(unit)
-
-
-def register_free_before_concat(unit, again: bool) -> None:
-    """Forward, once the views are made: free the parameters when the split's backward node is reached."""
-    h = unit._handle
-    unit._free_token = None  # a second forward (or no such node): the post-backward frees, as torch
-    if again or h is None or h.use_orig_params or not h.sharded or not torch.is_grad_enabled() \
-            or not h.unsharded.requires_grad:
-        return
-    slot = h.layout.slots[0]
-    node = getattr(slot.module.__dict__.get(slot.name), "grad_fn", None)
-    while node is not None and node.name() != "SplitWithSizesBackward0":  # the view's ViewBackward0, then split
-        node = node.next_functions[0][0] if node.next_functions else None
-    if node is None:
-        return
-    token = unit._free_token = object()
-    ref = weakref.ref(unit)  # the hook lives in C++ with the graph: no reference that keeps the model alive
-    node.register_prehook(lambda _grads: _free_before_concat(ref(), token))
-
-
-def _free_before_concat(unit, token) -> None:
-    if unit is not None and unit._free_token is token \
-            and unit.training_state is TrainingState.PRE_BACKWARD and frees_in_backward(unit):
-        unit._handle.reshard()
+def _post_backward_reshard(unit) -> None:
+    """A frozen unit's post-backward (torch's ``_post_backward_reshard_only_hook``): nothing to reduce; free its
+    parameters and prefetch (BACKWARD_POST), as the core's post-backward does first."""
+    if unit is not None:
+        unit.training_state = TrainingState.POST_BACKWARD
+        unit._post_backward_reshard()

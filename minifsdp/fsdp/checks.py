@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,11 +30,22 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from minifsdp.comm.devices import backend_devices, check_backend_supports, collective_device
 from minifsdp.fsdp.core.units import clean_name, is_unit
-from minifsdp.fsdp.torch_handle import FLATTENED
 
 __all__ = ["check_one_device", "check_same_on_all_ranks", "broadcast_from_rank0", "install_optimizer_check",
            "backend_devices", "check_backend_supports", "collective_device", "check_ties_across_units",
-           "check_layer_cls_matches"]
+           "check_layer_cls_matches", "FLATTENED", "Flattened"]
+
+FLATTENED = "_minifsdp_flattened"  # the one attribute FSDP puts on an original parameter it took over
+
+
+@dataclass
+class Flattened:
+    """Where an original parameter was flattened, and whether it still trains (``use_orig_params``)."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+    still_trains: bool
 
 
 def check_same_on_all_ranks(groups, module, params, buffers) -> None:

@@ -13,7 +13,7 @@ swapping its ``.data`` (the parameter object stays).  What that reaches under FS
 
 Then the buffers the unit gathers into (and its gradient leaf) are still in the old dtype.
 torch FSDP1 allocates them at its lazy init, the root's first forward, from the flat
-parameter's dtype at that moment; so do we (``TorchHandle.adopt_dtype``, ``torch_handle.py``):
+parameter's dtype at that moment; so do we (``adopt_dtype``, ``torch_extension.py``):
 
     FSDP(model); model.half(); model(x.half())         works: the unit computes in float16
     FSDP(model); model(x); model.half(); model(x)      refused at the all-gather (torch's ValueError:
@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
 __all__ = ["flat_param_registered"]
 
 
 @contextlib.contextmanager
-def flat_param_registered(handle, module: torch.nn.Module):
-    """While ``nn.Module._apply`` runs: ``module`` (the unit's wrapped module) registers the flat parameter
-    as ``_flat_param`` and the originals are unregistered; on exit the registrations are as before and
-    the originals are views of the (converted) shard again."""
+def flat_param_registered(unit, orig_params):
+    """While ``nn.Module._apply`` runs: the unit's wrapped module registers the flat parameter as
+    ``_flat_param`` and the originals are unregistered; on exit the registrations are as before and the
+    originals are views of the (converted) shard again (``orig_params``: the unit's ``OrigParams``)."""
+    handle, module = unit._handle, unit.module
     owners = []  # (module, its _parameters as they were): restored as is, order included
     for slot in handle.layout.slots + handle.layout.shared:
         if all(m is not slot.module for m, _ in owners):
@@ -50,4 +49,4 @@ def flat_param_registered(handle, module: torch.nn.Module):
         for m, params in owners:
             m._parameters.clear()
             m._parameters.update(params)
-        handle.use_sharded_views()  # the originals' .data: views of the shard in its new dtype
+        orig_params.use_sharded_views(unit)  # the originals' .data: views of the shard in its new dtype

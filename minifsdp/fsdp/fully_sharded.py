@@ -1,25 +1,52 @@
 """``minifsdp.FullyShardedDataParallel``: the core's FSDP with the rest of torch FSDP1's API.
 
-The algorithm is ``minifsdp/fsdp/core/`` (read ``core/fsdp.py`` first); this class extends it,
-so that code written for torch's FSDP1 runs unchanged on ours:
+The algorithm is ``minifsdp/fsdp/core/`` (its ``__init__.py`` gives the reading order).  This class
+is the core's class, built with a list of extensions (``core/extension.py``: the one interface,
+called at fixed points of the step) and torch's constructor keywords and methods, so that code
+written for torch's FSDP1 runs unchanged on ours.  It overrides no step of the core.
 
     keyword / method                          where it is handled
-    use_orig_params=True                      orig_params.py (a handle subclass chosen at wrap time)
-    cpu_offload, ignored_modules, ignored_states, device_mesh, torch's enums and MixedPrecision
-                                              torch_options.py
+    use_orig_params=True                      orig_params.py: the OrigParams extension
+    cpu_offload, ignored_modules, ignored_states, device_mesh, torch's enums and MixedPrecision,
+    MixedPrecision._module_classes_to_ignore  torch_options.py (here, before the core wraps);
+                                              torch_extension.py (ignored parameters at on_wrap)
     param_init_fn, a meta-device model, sync_module_states
-                                              deferred_init.py
-    model.half() / .to(dtype) after wrapping  dtype_change.py, torch_handle.py
+                                              deferred_init.py (here, before the core wraps; the sync
+                                              at on_wrap)
+    model.half() / .to(dtype) after wrapping  dtype_change.py, torch_extension.py (before_unshard)
+    requires_grad changed after wrapping      torch_extension.py (before_forward)
     state_dict_type, SHARDED / LOCAL state dicts, optim_state_dict
                                               state_dict_type.py, optim_state.py
     summon_full_params(with_grads=, offload_to_cpu=), apply, fsdp_modules, model[i], attributes of
     the wrapped module                        here
-    bad input at wrap time and step time      checks.py (weights that differ across ranks, several
-                                              devices, a stale optimizer, a weight tied across units,
-                                              an optimizer step between a forward and its backward)
+    bad input at wrap time and step time      checks.py, through torch_extension.py (weights that differ
+                                              across ranks, several devices, a stale optimizer, a weight
+                                              tied across units, an optimizer step between a forward and
+                                              its backward)
     a frozen unit's reshard, the free before the concat
-                                              backward_extras.py
+                                              backward_extras.py: the BackwardExtras extension
 
+Each unit gets its own extensions, in this order, at these points of the step (``core/extension.py``):
+
+    extension        point            what it adds
+    TorchExtension   on_wrap          ignored parameters kept out; the wrap-time checks; a unit mixing frozen
+                                      and trainable parameters refused (without use_orig_params); the marks
+                     on_lazy_init     every unit agrees on use_orig_params / limit_all_gathers; dtypes fixed
+                     before_forward   (root) requires_grad changed after wrapping; a step between a forward
+                                      and its backward refused
+                     before_unshard   model.half() before the first forward followed, after it refused
+                     after_forward, after_backward   (root) the shards' versions at a forward, then forgotten
+    BackwardExtras   before_forward   a frozen unit's reshard-only hook; after_backward removes it
+                     after_unshard    the free before the gradients' concat
+    OrigParams       on_wrap          the 16-byte alignment; the originals kept
+    (use_orig_params before_unshard   the write-back of what the user changed
+     =True)          after_unshard    views registered in the forward, plain in the pre-backward, the originals
+                                      themselves in summon_full_params; a zero_grad() on the originals
+                     after_reshard    the originals as views of the shard (SHARD_GRAD_OP: the forward's views kept)
+                     after_reduce     each original's .grad, a view of the shard's; optimizers in backward
+
+Before the core wraps (in ``__init__``, no extension needed): auto-wrapping around ignored modules and
+``MixedPrecision._module_classes_to_ignore`` (``torch_options.py``), a meta-device model, ``device_id``.
 Positional order is torch's.
 """
 
@@ -29,30 +56,23 @@ import contextlib
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
-from minifsdp.fsdp import deferred_init, optim_state
+from minifsdp.fsdp import deferred_init, optim_state, pitfalls
 from minifsdp.fsdp import state_dict_type as sd_type
 from minifsdp.fsdp import torch_options as opts
-from minifsdp.fsdp.backward_extras import register_free_before_concat, register_reshard_only_hook
-from minifsdp.fsdp.checks import (
-    check_layer_cls_matches,
-    check_one_device,
-    check_same_on_all_ranks,
-    check_ties_across_units,
-    install_optimizer_check,
-)
+from minifsdp.fsdp.backward_extras import BackwardExtras
+from minifsdp.fsdp.checks import check_layer_cls_matches, install_optimizer_check
 from minifsdp.fsdp.core import fsdp as core
-from minifsdp.fsdp.core.full_params import summon_full_params as summon_core
-from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
 from minifsdp.fsdp.core.prefetch import BackwardPrefetch
 from minifsdp.fsdp.core.state import TrainingState
 from minifsdp.fsdp.core.strategy import ShardingStrategy
-from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units, units_with_params
-from minifsdp.fsdp.core.wrap import recursive_wrap
+from minifsdp.fsdp.core.units import clean_name, is_unit, units, units_with_params
 from minifsdp.fsdp.dtype_change import flat_param_registered
-from minifsdp.fsdp.orig_params import OrigParamHandle
-from minifsdp.fsdp.torch_handle import TorchHandle
+from minifsdp.fsdp.full_params import clip_grad_norm_ as clip_core
+from minifsdp.fsdp.full_params import summon_full_params as summon_core
+from minifsdp.fsdp.orig_params import OrigParams, restore_grads, show_full_grads
+from minifsdp.fsdp.torch_extension import TorchExtension
+from minifsdp.fsdp.torch_options import MixedPrecision
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "summon_full_params"]
@@ -69,7 +89,8 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     ``offload_to_cpu``: the full parameters are on the CPU already when the model is.
     """
     inside = units_with_params(module) if recurse else [module] if is_unit(module) and module._handle else []
-    if with_grads and (offload_to_cpu or any(not u._handle.use_orig_params for u in units_with_params(module))):
+    if with_grads and (offload_to_cpu or any(not getattr(u, "use_orig_params", False)
+                                             for u in units_with_params(module))):
         raise NotImplementedError("summon_full_params(with_grads=True) needs use_orig_params=True and "
                                   "offload_to_cpu=False (as in torch)")
     if offload_to_cpu and any(u._handle.flat_param.device.type != "cpu" for u in units_with_params(module)):
@@ -78,7 +99,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     grads = []
     try:
         with summon_core(module, recurse, writeback, rank0_only):
-            grads = [u._handle.show_full_grads() for u in inside] if with_grads else []
+            grads = [show_full_grads(u._handle) for u in inside] if with_grads else []
             try:
                 yield
             finally:
@@ -87,7 +108,7 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
                         slot.param.grad = None
     finally:
         for u, before in zip(inside, grads):
-            u._handle.restore_grads(before, writeback)
+            restore_grads(u._handle, before, writeback)
 
 
 class FullyShardedDataParallel(core.FullyShardedDataParallel):
@@ -124,63 +145,33 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError("backward_prefetch takes BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST "
                             f"or None, got {backward_prefetch!r}")
-        # Set before the core's __init__, which calls _auto_wrap and _make_handle below.
-        self.__dict__.update(
-            use_orig_params=use_orig_params, cpu_offload=cpu_offload, _ignored_modules=ignored_mods,
-            _ignored_params=ignored, _param_init_fn=param_init_fn, _device_id=device_id,
-            _sync_module_states=sync_module_states,
-            _torch_kwargs=dict(process_group=process_group, cpu_offload=cpu_offload, use_orig_params=use_orig_params,
-                               device_id=device_id, ignored_states=ignored or None, device_mesh=device_mesh,
-                               sync_module_states=sync_module_states, param_init_fn=param_init_fn))
-        fp32 = ()
-        if auto_wrap_policy is not None:
+        if auto_wrap_policy is not None:  # children first, each a unit of this class (post-order, as torch)
             check_layer_cls_matches(module, auto_wrap_policy)
             fp32 = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
             if fp32:  # as torch: those modules become their own units, without mixed precision
                 auto_wrap_policy = opts.policy_with_mp_overrides(auto_wrap_policy, fp32)
                 opts.override_mixed_precision(module, fp32)
-        self.__dict__["_fp32_classes"] = fp32
-        super().__init__(module, opts.mesh_process_group(sharding_strategy, process_group, device_mesh),
-                         sharding_strategy, auto_wrap_policy, backward_prefetch, mixed_precision, forward_prefetch,
-                         limit_all_gathers, collectives)
-        self._reshard_only_hook = None  # a frozen unit's post-backward, on its inputs (backward_extras.py)
-        self._free_token = None  # the free-before-concat hook of this iteration (backward_extras.py)
-        self._versions_at_forward = None  # the root's: shard versions at a forward that awaits its backward
-        self.register_load_state_dict_pre_hook(sd_type.load_under_a_plain_parent)  # a plain root above us
-        install_optimizer_check()
-
-    def _auto_wrap(self, module: nn.Module, policy, kwargs: dict) -> None:
-        kwargs = {**kwargs, **self._torch_kwargs}
-        fp32, mp = self._fp32_classes, kwargs.pop("mixed_precision")
-        recursive_wrap(module, policy, lambda m: type(self)(m, mixed_precision=None if isinstance(m, fp32) else mp,
-                                                            **kwargs),
-                       only_wrap_children=True, ignored=self._ignored_modules)
-
-    def _make_handle(self, module: nn.Module):
-        deferred_init.materialize(module, self._param_init_fn, self._device_id, self._ignored_modules,
-                                  self._ignored_params)  # a meta-device model
-        device_id = self._device_id
+            child = dict(process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
+                         backward_prefetch=backward_prefetch, param_init_fn=param_init_fn, device_id=device_id,
+                         sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                         limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
+                         ignored_states=ignored or None, device_mesh=device_mesh, collectives=collectives)
+            opts.wrap_children(module, auto_wrap_policy, lambda m: type(self)(
+                m, mixed_precision=None if isinstance(m, fp32) else mixed_precision, **child), ignored_mods)
+        deferred_init.materialize(module, param_init_fn, device_id, ignored_mods, ignored)  # a meta-device model
         if device_id is not None:
             module.to(torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id))
-        check_ties_across_units(module, self.use_orig_params)
-        taken = flattened_params(module)
-        params = [p for p in module.parameters() if id(p) not in taken and p not in self._ignored_params]
-        ignored_buffers = {id(b) for m in self._ignored_modules for b in m.buffers()}
-        nested = {id(b) for m in units(module) for b in m.buffers()}
-        buffers = [b for b in module.buffers() if id(b) not in nested and id(b) not in ignored_buffers]
-        check_one_device(module, params, buffers)
-        if self._sync_module_states:
-            deferred_init.sync_module_states(self.groups, module, params, buffers)  # shapes checked first
-        else:
-            check_same_on_all_ranks(self.groups, module, params, buffers)
-        if not params:
-            return None
-        core.check_flattenable(module, params, mixed_requires_grad=self.use_orig_params)
-        if not self.use_orig_params:
-            return TorchHandle(module, params, self.groups, self.sharding_strategy, self.comm, self.mixed_precision)
-        align = 16 // resolve_dtypes(self.mixed_precision, params[0].dtype).param.itemsize  # torch's 16 bytes
-        return OrigParamHandle(module, params, self.groups, self.sharding_strategy, self.comm, self.mixed_precision,
-                               align_numel=align)
+        extensions = [TorchExtension(ignored_mods, ignored, sync_module_states, use_orig_params),
+                      BackwardExtras(free_before_concat=not use_orig_params)]
+        if use_orig_params:
+            extensions.append(OrigParams())
+        super().__init__(module, opts.mesh_process_group(sharding_strategy, process_group, device_mesh),
+                         sharding_strategy, None, backward_prefetch, mixed_precision, forward_prefetch,
+                         limit_all_gathers, collectives, extensions)
+        self.use_orig_params, self.cpu_offload = use_orig_params, cpu_offload
+        self.register_load_state_dict_pre_hook(sd_type.load_under_a_plain_parent)  # a plain root above us
+        install_optimizer_check()
+        pitfalls.warn_hybrid_shard_of_one(self)  # ch 6: torch turns it into NO_SHARD silently (pitfalls.py)
 
     # ------------------------------------------------------------------ torch's module API
     @property
@@ -218,6 +209,11 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
 
     summon_full_params = staticmethod(summon_full_params)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm over all shards (collective); returns the total norm, as torch
+        (``full_params.py`` says how: local squares, one all-reduce)."""
+        return clip_core(self, max_norm, norm_type)
+
     def named_parameters(self, *args, **kwargs):
         """As ``nn.Module``'s; inside ``summon_full_params`` with the plain model's names (as torch)."""
         clean = self.training_state is TrainingState.SUMMON_FULL_PARAMS
@@ -232,10 +228,10 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
 
     def _apply(self, fn, *args, **kwargs):
         """``model.half()``, ``.to(dtype)``, ``.double()``: convert the flat parameters (``dtype_change.py``)."""
-        h = self.__dict__.get("_handle")
-        if h is None or not h.use_orig_params:
+        orig = next((e for e in self.__dict__.get("_extensions", ()) if isinstance(e, OrigParams)), None)
+        if self.__dict__.get("_handle") is None or orig is None:
             return super()._apply(fn, *args, **kwargs)
-        with flat_param_registered(h, self._fsdp_wrapped_module):
+        with flat_param_registered(self, orig):
             return super()._apply(fn, *args, **kwargs)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
@@ -257,54 +253,6 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
     optim_state_dict = staticmethod(optim_state.optim_state_dict)
     optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
 
-    # ------------------------------------------------------------------ the step, with torch's extras
-    def _init_root(self) -> None:
-        super()._init_root()
-        opts.check_homogeneous(self._root_step.units)
-        for unit in self._root_step.units:  # torch's lazy init: the dtypes are fixed from now on
-            if unit._handle is not None:
-                unit._handle.fix_dtype()
-
-    def _root_pre_forward(self) -> None:
-        step = self._root_step
-        for unit in step.units:  # requires_grad set by the user after wrapping
-            if unit._handle is not None:
-                unit._handle.refresh_requires_grad()
-        if self._versions_at_forward is not None and torch.is_grad_enabled() \
-                and self._versions_at_forward != _shard_versions(step.units):
-            raise RuntimeError(
-                "FSDP: forward called again before the backward of the previous forward, and the sharded "
-                "parameters changed in between (an optimizer step?). That backward would see the new "
-                "parameters. Call backward on the previous output before stepping, or run forwards you "
-                "do not differentiate under torch.no_grad().")
-        super()._root_pre_forward()
-
-    def forward(self, *args, **kwargs):
-        out = super().forward(*args, **kwargs)
-        if self.is_root and torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(out)[0]):
-            self._versions_at_forward = _shard_versions(self._root_step.units)
-        return out
-
-    def _pre_forward(self, args, kwargs):
-        again = self.training_state is TrainingState.AWAITING_BACKWARD
-        args, kwargs = super()._pre_forward(args, kwargs)
-        h = self._handle
-        if h is not None and not h.unsharded.requires_grad:
-            register_reshard_only_hook(self, args, kwargs)
-        register_free_before_concat(self, again)
-        return args, kwargs
-
-    def _finish_backward(self) -> None:
-        if self._reshard_only_hook is not None:
-            self._reshard_only_hook.remove()
-            self._reshard_only_hook = None
-        self._versions_at_forward = None
-        super()._finish_backward()
-
 
 FSDP = FullyShardedDataParallel
 
-
-def _shard_versions(inside: list) -> list[tuple[int, ...]]:
-    return [u._handle.shard_version() for u in inside if u._handle is not None]

@@ -8,7 +8,7 @@ torch FSDP1's FULL format undoes that:
     FSDP.optim_state_dict       {"state": {"0.weight": {"step": 2., "exp_avg": 13x5}, ...},
                                  "param_groups": [{"lr": ..., "params": ["0.weight", "0.bias", ...]}]}
 
-Both directions read one map, ``param_pieces.holders``: which numbers of which original parameter
+Both directions read one map, ``param_pieces.piece_table``: which numbers of which original parameter
 each tensor the optimizer steps holds.  Saving all-gathers every rank's pieces
 (``all_gather_object``) and pastes them into whole tensors; loading cuts each rank's pieces back
 out (no communication, unless ``FullOptimStateDictConfig(rank0_only=True)``: then rank 0's dict is
@@ -25,29 +25,19 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import StateDictType
 
-from minifsdp.fsdp.core.units import clean_name, units, units_with_params
-from minifsdp.fsdp.param_pieces import holders, key_of, module_names
+from minifsdp.fsdp.core.units import units
+from minifsdp.fsdp.param_pieces import PieceTable, piece_table
 from minifsdp.fsdp.state_dict_type import get_state_dict_type
 
 __all__ = ["optim_state_dict", "optim_state_dict_to_load", "full_optim_state_dict", "optim_state_for"]
 
 
-def _pieces(model: nn.Module) -> dict[int, tuple[torch.Tensor, list]]:
+def _pieces(table: PieceTable) -> dict[int, tuple[torch.Tensor, list]]:
     """id(tensor) -> (tensor, [(fqn, src_lo, src_hi, dst_lo)]) for every tensor an optimizer may step, every
     original listed on every rank in the layout's order (``src_lo == src_hi`` where this rank holds none):
     ``tensor.view(-1)[src_lo:src_hi] == original.view(-1)[dst_lo:dst_lo + n]``."""
     return {id(h.tensor): (h.tensor, [(p.fqn, p.src_lo, p.src_hi, p.lo) for p in h.pieces])
-            for h in holders(model, every_slot=True)}
-
-
-def _shapes(model: nn.Module) -> dict[str, torch.Size]:
-    names, shapes = module_names(model), {}
-    for u in units_with_params(model):
-        for slot in u._handle.layout.slots:
-            shapes[key_of(names, slot.module, slot.name)] = slot.shape
-    for name, p in model.named_parameters():
-        shapes.setdefault(clean_name(name), p.shape)
-    return shapes
+            for h in table.all_holders}
 
 
 def _full_type(model: nn.Module, what: str):
@@ -72,10 +62,12 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
 
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = False,
-                          group=None) -> dict:
+                          group=None, table: PieceTable | None = None) -> dict:
     """Whole optimizer state under the plain names, torch FSDP1's format and key order (a collective over
-    ``group``, default: the model's shard group; ``{}`` on ranks other than 0 with ``rank0_only``)."""
-    pieces = _pieces(model)
+    ``group``, default: the model's shard group; ``{}`` on ranks other than 0 with ``rank0_only``).
+    ``table``: the model's piece table (``param_pieces.piece_table``), if the caller has built it."""
+    table = table if table is not None else piece_table(model)
+    pieces = _pieces(table)
     mine, order = [], []
     for g in optim.param_groups:
         for p in g["params"]:
@@ -97,7 +89,7 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
         dist.all_gather_object(everyone, mine, group=group)
         if rank0_only and dist.get_rank(group) != 0:
             return {}
-    shapes, state = _shapes(model), {}
+    shapes, state = table.shapes, {}
     for fqn, k, dst, v in (item for per_rank in everyone for item in per_rank):
         d = state.setdefault(fqn, {})
         if dst is None:
@@ -106,7 +98,7 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
         if k not in d:
             d[k] = torch.zeros(shapes[fqn].numel(), dtype=v.dtype, device=v.device)
         d[k][dst:dst + v.numel()] = v
-    orig = any(u._handle is not None and u._handle.use_orig_params for u in units(model))
+    orig = any(u._handle is not None and getattr(u, "use_orig_params", False) for u in units(model))
     for fqn, d in state.items():  # torch's key order: the optimizer's (use_orig_params), else the
         whole = {k: v.view(shapes[fqn]) for k, v in d.items() if torch.is_tensor(v) and v.dim() > 0}
         state[fqn] = {**d, **whole} if orig else {**whole, **{k: v for k, v in d.items() if k not in whole}}
@@ -139,7 +131,7 @@ def optim_state_for(model: nn.Module, optim: torch.optim.Optimizer, optim_state_
     """A full optimizer state dict (ours, or torch FSDP1's) cut into this rank's pieces, keyed as
     ``optim.state_dict()`` (no communication)."""
     saved = optim_state_dict["state"]
-    pieces, state, groups, index = _pieces(model), {}, [], 0
+    pieces, state, groups, index = _pieces(piece_table(model)), {}, [], 0
     if len(optim_state_dict["param_groups"]) != len(optim.param_groups):
         raise ValueError(f"the optimizer state dict has {len(optim_state_dict['param_groups'])} parameter groups, "
                          f"this optimizer {len(optim.param_groups)}: build it with the same groups")

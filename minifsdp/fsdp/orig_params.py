@@ -4,20 +4,25 @@ torch FSDP1's flag.  With it the optimizer steps the *original* parameters (each
 of the local shard, or the whole tensor under NO_SHARD) instead of one flat parameter, so
 optimizer parameter groups, frozen parameters inside a unit, and per-parameter learning
 rates work as on the plain model.  The algorithm is the core's (``core/handle.py``,
-``core/gradient.py``); what changes is where each name points, chosen once at wrap time by
-building an :class:`OrigParamHandle`:
+``core/gradient.py``); what changes is where each name points, which :class:`OrigParams` (an
+extension of each unit, ``core/extension.py``) sets at the step's fixed points:
 
-    moment              use_orig_params=False (core)           use_orig_params=True (here)
-    between uses        names are empty tensors; the module   names are the originals, registered,
-                        registers ``_flat_param``              ``.data`` = their piece of the shard
-    forward             names are views of the full buffer     the same, and registered (so
+    moment              use_orig_params=False (core)           use_orig_params=True (here)      point
+    between uses        names are empty tensors; the module   names are the originals,          after_reshard
+                        registers ``_flat_param``              registered, ``.data`` = their
+                                                               piece of the shard
+    forward             names are views of the full buffer     the same, and registered (so      after_unshard
                                                                named_parameters() shows them)
-    backward            (the forward's views)                  views again (a recompute reads them)
-    gradient            ``flat_param.grad`` (the shard)        each original's ``.grad`` = its piece
-    summon              new full-shape Parameters              the originals, ``.data`` = full view
+    backward            (the forward's views)                  views again (a recompute reads    after_unshard
+                                                               them)
+    gradient            ``flat_param.grad`` (the shard)        each original's ``.grad`` = its   after_reduce
+                                                               piece
+    summon              new full-shape Parameters              the originals, ``.data`` = full   after_unshard
+                                                               view
+    before a gather     -                                      the write-back (below)            before_unshard
 
 Note (alignment): torch aligns each original to 16 bytes in the flat buffer when
-``use_orig_params=True``, so each piece is a valid tensor start; so do we (``align_numel``).
+``use_orig_params=True``, so each piece is a valid tensor start; so do we (:func:`aligned`, at ``on_wrap``).
 
 Note (frozen originals): a unit may mix frozen and trainable originals; a frozen one's view
 is detached, gets no gradient, and the optimizer skips it.  ``p.requires_grad_(False)``
@@ -36,13 +41,27 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp.core.flat_param import unflatten
-from minifsdp.fsdp.core.gradient import UnitGradient, set_grad
-from minifsdp.fsdp.core.state import GradState
-from minifsdp.fsdp.core.strategy import ShardingStrategy
-from minifsdp.fsdp.torch_handle import TorchHandle
+from minifsdp.fsdp.core.extension import Extension
+from minifsdp.fsdp.core.flat_param import FlatParamLayout, ParamSlot, padded_size, unflatten
+from minifsdp.fsdp.core.gradient import set_grad
+from minifsdp.fsdp.core.mixed_precision import resolve_dtypes
+from minifsdp.fsdp.core.state import GradState, TrainingState
 
-__all__ = ["OrigParamHandle", "OrigParamGradient", "set_tensor_attr", "clear_tensor_attr"]
+__all__ = ["OrigParams", "aligned", "set_tensor_attr", "clear_tensor_attr", "show_full_grads", "restore_grads"]
+
+ALIGN_BYTES = 16  # torch's: each original starts at a multiple of 16 bytes in the flat buffer
+
+
+def aligned(layout: FlatParamLayout, align_numel: int) -> FlatParamLayout:
+    """``layout`` with each parameter starting at a multiple of ``align_numel`` (the gaps hold zeros; torch's
+    hold 42, a marker never read)."""
+    slots, offset = [], 0
+    for s in layout.slots:
+        if offset % align_numel:
+            offset += align_numel - offset % align_numel
+        slots.append(ParamSlot(s.fqn, s.module, s.name, s.shape, offset, s.numel, s.requires_grad, s.param))
+        offset += s.numel
+    return FlatParamLayout(slots, layout.shared, layout.world_size, offset, padded_size(offset, layout.world_size))
 
 
 def set_tensor_attr(module: nn.Module, name: str, t: torch.Tensor) -> None:
@@ -71,9 +90,6 @@ def clear_tensor_attr(module: nn.Module, name: str) -> None:
     module.__dict__.pop(name, None)
 
 
-KEEPS_VIEWS_AFTER_FORWARD = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
-
-
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -89,32 +105,137 @@ def _checked(t: torch.Tensor, numel: int, sharded: bool, fqn: str, what: str) ->
     return flat
 
 
-class OrigParamGradient(UnitGradient):
-    """The gradient of an :class:`OrigParamHandle`: the originals' ``.grad`` are where users look."""
+def _piece(h, slot, lo: int, hi: int) -> torch.Tensor:
+    """An original's view of the local shard: 1-D when sharded, its own shape under NO_SHARD."""
+    piece = h.flat_param.data[lo:hi]
+    return piece if h.sharded else piece.view(slot.shape)
 
-    def prepare(self) -> None:
-        h, slots = self.handle, self.handle.layout.slots
-        if self.state is GradState.UNSHARDED and all(s.param.grad is None for s in slots if s.param.requires_grad):
-            self.state = GradState.SHARD  # the optimizer's zero_grad() discarded the no_sync gradient
-            h.unsharded.grad = None
-        if all(s.param.grad is None for s in slots):
-            h.flat_param.grad = None
 
-    def keep_unsharded(self) -> None:
-        h = self.handle
-        g = self.take_cast_grad() if h.casts_unsharded else h.unsharded.grad
-        if g is None:
+def _keeps_views_after_forward(unit) -> bool:
+    """As torch: a unit that keeps its full parameters after the forward (SHARD_GRAD_OP) with autograd on
+    keeps the forward's views too, so ``p.shape`` is the full shape until the backward."""
+    return unit.plan.shards_params and not unit.plan.frees_after_forward
+
+
+class OrigParams(Extension):
+    """``use_orig_params=True`` for one unit: the originals stay, as views of the shard (the table above)."""
+
+    def __init__(self):
+        self.originals: list[nn.Parameter] = []  # the unit's originals, kept from wrap time (the core lets go)
+        self.forward_views = None  # SHARD_GRAD_OP after a forward with grad: the full views the names still are
+
+    def on_wrap(self, unit, layout):
+        if layout is None:
+            return None
+        itemsize = resolve_dtypes(unit.mixed_precision, layout.slots[0].param.dtype).param.itemsize
+        layout = aligned(layout, ALIGN_BYTES // itemsize)
+        self.originals = [s.param for s in layout.slots]
+        return layout
+
+    # ------------------------------------------------------------------ where the names point
+    def after_reshard(self, unit) -> None:
+        if unit.training_state is TrainingState.FORWARD and torch.is_grad_enabled() \
+                and _keeps_views_after_forward(unit):
             return
-        for slot, v in zip(h.layout.slots, unflatten(g, h.layout)):
-            if slot.param.requires_grad:  # now: a parameter frozen after wrapping gets none
-                set_grad(slot.param, v)
-        self.state = GradState.UNSHARDED
+        self.use_sharded_views(unit)
 
-    def finish_reduce(self) -> None:
-        if self.in_flight is None:
+    def use_sharded_views(self, unit) -> None:
+        """Between uses: each original, registered again in the flat parameter's order (a tied weight's second
+        name last, as torch FSDP1's), is a 1-D view of its piece of the local shard."""
+        h = unit._handle
+        h.module._parameters.pop("_flat_param", None)  # the originals are what the module registers
+        self.forward_views = None
+        for slot, original in zip(h.layout.slots, self.originals):
+            if slot.param is None:  # wrap time: the core took the originals over
+                slot.param = original
+        for slot in h.layout.slots + h.layout.shared:
+            clear_tensor_attr(slot.module, slot.name)
+        for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces()):
+            slot.param.data = _piece(h, slot, lo, hi)
+            slot.module._parameters[slot.name] = slot.param
+        for sh in h.layout.shared:
+            sh.module._parameters[sh.name] = h.layout.slots[sh.primary].param
+
+    def after_unshard(self, unit) -> None:
+        h = unit._handle
+        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:  # the originals themselves, full .data
+            for slot, v in zip(h.layout.slots, unflatten(h.unsharded.detach(), h.layout)):
+                slot.module._parameters[slot.name] = slot.param
+                slot.param.data = v
+            for sh in h.layout.shared:
+                sh.module._parameters[sh.name] = h.layout.slots[sh.primary].param
             return
-        super().finish_reduce()
-        h = self.handle
+        if unit.training_state is TrainingState.PRE_BACKWARD and all(s.param.grad is None for s in h.layout.slots):
+            h.flat_param.grad = None  # the optimizer's zero_grad() reached the originals: the flat gradient too
+        self.use_unsharded_views(unit, registered=unit.training_state is TrainingState.FORWARD)
+
+    def use_unsharded_views(self, unit, registered: bool) -> None:
+        """Views of the full buffer (a frozen original's detached); in the forward registered too, so that
+        ``named_parameters()`` inside it yields them (full shapes, plain tensors), as torch's."""
+        h = unit._handle
+        views = unflatten(h.unsharded, h.layout)
+        self.forward_views = []
+        for slot, v in zip(h.layout.slots, views):
+            if not slot.param.requires_grad:
+                v = v.detach()
+            set_tensor_attr(slot.module, slot.name, v)
+            self.forward_views.append(v)
+            if registered:
+                slot.module._parameters[slot.name] = v
+        for sh in h.layout.shared:
+            set_tensor_attr(sh.module, sh.name, views[sh.primary])
+            if registered:
+                sh.module._parameters[sh.name] = views[sh.primary]
+
+    # ------------------------------------------------------------------ the user's changes, before each gather
+    def before_unshard(self, unit, prefetch: bool) -> None:
+        self.write_back_originals(unit)
+        if unit.training_state is TrainingState.FORWARD:  # the core points the names at plain views next:
+            h = unit._handle  # they leave _parameters (after_unshard registers the views in their place)
+            for slot in h.layout.slots + h.layout.shared:
+                slot.module._parameters.pop(slot.name, None)
+
+    def write_back_originals(self, unit) -> None:
+        """Copy into the flat shard (and flat gradient) every original the user gave new storage since the
+        last use, or replaced by a new ``nn.Parameter``; raise where torch FSDP1 raises (its
+        ``_writeback_orig_params``)."""
+        h = unit._handle
+        if self.forward_views is not None and _keeps_views_after_forward(unit):
+            for slot, v in zip(h.layout.slots, self.forward_views, strict=True):
+                now = getattr(slot.module, slot.name)
+                if now is not v or not _same_storage(now, h.unsharded):
+                    raise AssertionError(
+                        f"FSDP does not support changing the parameters between forward and backward for "
+                        f"{unit.sharding_strategy} ({slot.fqn!r} changed; torch FSDP1 raises this too). Change "
+                        "parameters after the backward, or use FULL_SHARD, which reshards after the forward.")
+            return
+        flat = h.flat_param
+        for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces(), strict=True):
+            now = slot.module._parameters.get(slot.name)
+            if hi <= lo or now is None:
+                continue  # none of it on this rank, or deregistered for now (activation checkpointing)
+            if now is not slot.param:
+                slot.param = now  # a new Parameter under the name is the original from now on
+            if not _same_storage(now, flat):
+                flat.data[lo:hi].copy_(_checked(now.detach(), hi - lo, h.sharded, slot.fqn, "parameter"))
+                now.data = _piece(h, slot, lo, hi)
+            if h.gradient.state is GradState.SHARD:  # (no_sync: the grads are views of the full gradient)
+                _write_back_grad(h, slot, lo, hi)
+        for sh in h.layout.shared:
+            if sh.module._parameters.get(sh.name) is not h.layout.slots[sh.primary].param:
+                raise NotImplementedError(f"Changing shared parameters is not supported ({sh.fqn!r} no longer "
+                                          "is the parameter it was tied to; torch FSDP1 raises this too).")
+
+    # ------------------------------------------------------------------ gradients
+    def after_reduce(self, unit) -> None:
+        """The originals' ``.grad``: views of the full gradient kept by no_sync, else of this rank's shard."""
+        h = unit._handle
+        if not unit._sync_gradients:  # no_sync kept the full gradient (if this backward made one)
+            if h.gradient.state is GradState.UNSHARDED:
+                for slot, v in zip(h.layout.slots, unflatten(h.flat_param.grad, h.layout)):
+                    if slot.param.requires_grad:  # now: a parameter frozen after wrapping gets none
+                        set_grad(slot.param, v)
+            return
         if h.flat_param.grad is None:
             return
         for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces()):
@@ -123,184 +244,71 @@ class OrigParamGradient(UnitGradient):
                 set_grad(slot.param, h.flat_param.grad[lo:hi].view(slot.param.shape))
             else:
                 slot.param.grad = None
-        self._step_in_backward()
-
-    def _step_in_backward(self) -> None:
-        """``torch.distributed.optim._apply_optimizer_in_backward``: an original carrying
-        ``_in_backward_optimizers`` is stepped as soon as its gradient shard is here, and its gradient
-        dropped, as torch FSDP1's post-backward; the flat gradient goes once no original holds one."""
-        slots, stepped = self.handle.layout.slots, False
-        for slot in slots:
-            optims = getattr(slot.param, "_in_backward_optimizers", None)
-            if optims and slot.param.grad is not None:
-                for opt in optims:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                stepped = True
-        if stepped and all(slot.param.grad is None for slot in slots):
-            self.handle.flat_param.grad = None
+        _step_in_backward(h)
 
 
-class OrigParamHandle(TorchHandle):
-    """A handle whose module names stay the original parameters (views of the shard between uses)."""
+def _write_back_grad(h, slot, lo: int, hi: int) -> None:
+    flat, g = h.flat_param, slot.param.grad
+    if g is None:
+        if flat.grad is not None:
+            flat.grad[lo:hi].zero_()  # as torch: a gradient set to None is zeros in the flat gradient
+        return
+    if flat.grad is not None and _same_storage(g, flat.grad):
+        return
+    if flat.grad is None:
+        flat.grad = torch.zeros_like(flat)
+    flat.grad[lo:hi].copy_(_checked(g, hi - lo, h.sharded, slot.fqn, "gradient"))
+    set_grad(slot.param, flat.grad[lo:hi].view(slot.param.shape))
 
-    use_orig_params = True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gradient = OrigParamGradient(self)
-        self.forward_views = None  # SHARD_GRAD_OP after a forward with grad: the full views the names still are
+def _step_in_backward(h) -> None:
+    """``torch.distributed.optim._apply_optimizer_in_backward``: an original carrying ``_in_backward_optimizers``
+    is stepped as soon as its gradient shard is here, and its gradient dropped, as torch FSDP1's post-backward;
+    the flat gradient goes once no original holds one."""
+    slots, stepped = h.layout.slots, False
+    for slot in slots:
+        optims = getattr(slot.param, "_in_backward_optimizers", None)
+        if optims and slot.param.grad is not None:
+            for opt in optims:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            stepped = True
+    if stepped and all(slot.param.grad is None for slot in slots):
+        h.flat_param.grad = None
 
-    def take_over_params(self) -> None:
-        """The originals stay, their ``.data`` a view of this rank's shard; each module registers its own
-        again in the flat parameter's order, a tied weight's second name last, as torch FSDP1's."""
-        self.mark_originals()
-        for sh in self.layout.shared:
-            sh.module._parameters.pop(sh.name, None)
-        for slot in self.layout.slots:
-            slot.module._parameters.pop(slot.name, None)
-        self.use_sharded_views()
 
-    def optimizer_params(self) -> list[nn.Parameter]:
-        return [slot.param for slot in self.layout.slots]
+# ---------------------------------------------------------------------- summon_full_params(with_grads=True)
+def show_full_grads(h) -> tuple | None:
+    """Each original's ``.grad`` becomes its full gradient (collective: the shards' gradients all-gathered,
+    zeros for a rank that has none; None everywhere if no rank has one, as torch).  Returns the shards'
+    gradients and the full one, for :func:`restore_grads`.  NO_SHARD: the gradients are whole already, views
+    of the flat gradient, and stay so (an edit inside is kept, as torch)."""
+    if not h.sharded:
+        return None
+    before = [s.param.grad for s in h.layout.slots]
+    local = torch.zeros(h.layout.shard_numel, dtype=h.flat_param.dtype, device=h.flat_param.device)
+    for (lo, hi), g in zip(h.local_pieces(), before, strict=True):
+        if g is not None and hi > lo:
+            local[lo:hi] = g.reshape(-1)
+    has = torch.tensor([float(any(g is not None for g in before))], device=local.device)
+    h.comm.all_reduce(has, group=h.groups.shard, async_op=True).wait()
+    if has.item() == 0:
+        return before, None
+    full = torch.empty(h.layout.padded_numel, dtype=local.dtype, device=local.device)
+    h.comm.all_gather(full, local, group=h.groups.shard, async_op=True).wait()
+    for slot, v in zip(h.layout.slots, unflatten(full[: h.layout.numel], h.layout), strict=True):
+        slot.param.grad = v if slot.param.requires_grad else None
+    return before, full
 
-    def shard_version(self) -> tuple[int, ...]:
-        """The optimizer steps the originals (views made by ``.data =``, with counters of their own): read those."""
-        return (self.flat_param._version, *(s.param._version for s in self.layout.slots))
 
-    def requires_grad(self) -> bool:
-        return any(s.param.requires_grad for s in self.layout.slots)
-
-    def use_unsharded_views(self, in_forward: bool = False) -> None:
-        """Views of the full buffer (a frozen original's detached); in the forward registered too, so that
-        ``named_parameters()`` inside it yields them (full shapes, plain tensors), as torch's."""
-        views = unflatten(self.unsharded, self.layout)
-        self.forward_views = []
-        for slot, v in zip(self.layout.slots, views):
-            if not slot.param.requires_grad:
-                v = v.detach()
-            set_tensor_attr(slot.module, slot.name, v)
-            self.forward_views.append(v)
-            if in_forward:
-                slot.module._parameters[slot.name] = v
-        for sh in self.layout.shared:
-            set_tensor_attr(sh.module, sh.name, views[sh.primary])
-            if in_forward:
-                sh.module._parameters[sh.name] = views[sh.primary]
-
-    def use_sharded_views(self) -> None:
-        """Between uses: each original, registered again, is a 1-D view of its piece of the local shard."""
-        self.forward_views = None
-        for slot in self.layout.slots + self.layout.shared:
-            clear_tensor_attr(slot.module, slot.name)
-        for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces()):
-            slot.param.data = self._piece(slot, lo, hi)
-            slot.module._parameters[slot.name] = slot.param
-        for sh in self.layout.shared:
-            sh.module._parameters[sh.name] = self.layout.slots[sh.primary].param
-
-    def _piece(self, slot, lo: int, hi: int) -> torch.Tensor:
-        """An original's view of the local shard: 1-D when sharded, its own shape under NO_SHARD."""
-        piece = self.flat_param.data[lo:hi]
-        return piece if self.sharded else piece.view(slot.shape)
-
-    def after_forward(self) -> None:
-        """As torch: a unit that keeps its full parameters after the forward (SHARD_GRAD_OP) with autograd on
-        keeps the forward's views too, so ``p.shape`` is the full shape until the backward."""
-        if torch.is_grad_enabled() and self.strategy in KEEPS_VIEWS_AFTER_FORWARD:
-            return
-        self.use_sharded_views()
-
-    def start_unshard(self, prefetch: bool = False) -> None:
-        self.write_back_originals()
-        super().start_unshard(prefetch)
-
-    def write_back_originals(self) -> None:
-        """Copy into the flat shard (and flat gradient) every original the user gave new storage since the
-        last use, or replaced by a new ``nn.Parameter``; raise where torch FSDP1 raises."""
-        if self.forward_views is not None and self.strategy in KEEPS_VIEWS_AFTER_FORWARD:
-            for slot, v in zip(self.layout.slots, self.forward_views, strict=True):
-                now = getattr(slot.module, slot.name)
-                if now is not v or not _same_storage(now, self.unsharded):
-                    raise AssertionError(
-                        f"FSDP does not support changing the parameters between forward and backward for "
-                        f"{self.strategy} ({slot.fqn!r} changed; torch FSDP1 raises this too). Change parameters "
-                        "after the backward, or use FULL_SHARD, which reshards after the forward.")
-            return
-        flat = self.flat_param
-        for slot, (lo, hi) in zip(self.layout.slots, self.local_pieces(), strict=True):
-            now = slot.module._parameters.get(slot.name)
-            if hi <= lo or now is None:
-                continue  # none of it on this rank, or deregistered for now (activation checkpointing)
-            if now is not slot.param:
-                slot.param = now  # a new Parameter under the name is the original from now on
-            if not _same_storage(now, flat):
-                flat.data[lo:hi].copy_(_checked(now.detach(), hi - lo, self.sharded, slot.fqn, "parameter"))
-                now.data = self._piece(slot, lo, hi)
-            if self.gradient.state is GradState.SHARD:  # (no_sync: the grads are views of the full gradient)
-                self._write_back_grad(slot, lo, hi)
-        for sh in self.layout.shared:
-            if sh.module._parameters.get(sh.name) is not self.layout.slots[sh.primary].param:
-                raise NotImplementedError(f"Changing shared parameters is not supported ({sh.fqn!r} no longer "
-                                          "is the parameter it was tied to; torch FSDP1 raises this too).")
-
-    def _write_back_grad(self, slot, lo: int, hi: int) -> None:
-        flat, g = self.flat_param, slot.param.grad
-        if g is None:
-            if flat.grad is not None:
-                flat.grad[lo:hi].zero_()  # as torch: a gradient set to None is zeros in the flat gradient
-            return
-        if flat.grad is not None and _same_storage(g, flat.grad):
-            return
-        if flat.grad is None:
-            flat.grad = torch.zeros_like(flat)
-        flat.grad[lo:hi].copy_(_checked(g, hi - lo, self.sharded, slot.fqn, "gradient"))
-        set_grad(slot.param, flat.grad[lo:hi].view(slot.param.shape))
-
-    def before_backward(self) -> None:
-        self.use_unsharded_views()
-
-    def after_backward(self) -> None:
-        self.use_sharded_views()
-
-    def use_full_params(self) -> None:
-        """summon_full_params: the originals themselves, their ``.data`` a view of the full buffer."""
-        for slot, v in zip(self.layout.slots, unflatten(self.unsharded.detach(), self.layout)):
-            slot.param.data = v
-
-    def drop_full_params(self) -> None:
-        self.use_sharded_views()
-
-    def show_full_grads(self) -> tuple | None:
-        """summon_full_params(with_grads=True): each original's ``.grad`` becomes its full gradient (collective:
-        the shards' gradients all-gathered, zeros for a rank that has none; None everywhere if no rank has one,
-        as torch).  Returns the shards' gradients and the full one, for :meth:`restore_grads`.  NO_SHARD: the
-        gradients are whole already, views of the flat gradient, and stay so (an edit inside is kept, as torch)."""
-        if not self.sharded:
-            return None
-        before = [s.param.grad for s in self.layout.slots]
-        local = torch.zeros(self.layout.shard_numel, dtype=self.flat_param.dtype, device=self.flat_param.device)
-        for (lo, hi), g in zip(self.local_pieces(), before, strict=True):
-            if g is not None and hi > lo:
-                local[lo:hi] = g.reshape(-1)
-        has = torch.tensor([float(any(g is not None for g in before))], device=local.device)
-        self.comm.all_reduce(has, group=self.groups.shard, async_op=True).wait()
-        if has.item() == 0:
-            return before, None
-        full = torch.empty(self.layout.padded_numel, dtype=local.dtype, device=local.device)
-        self.comm.all_gather(full, local, group=self.groups.shard, async_op=True).wait()
-        for slot, v in zip(self.layout.slots, unflatten(full[: self.layout.numel], self.layout), strict=True):
-            slot.param.grad = v if slot.param.requires_grad else None
-        return before, full
-
-    def restore_grads(self, saved: tuple | None, writeback: bool) -> None:
-        """The shards' gradients back; with ``writeback``, first updated from the full gradient (an edit made
-        inside summon is kept, as torch's ``_writeback_to_local_shard``)."""
-        if saved is None:
-            return
-        before, full = saved
-        start = self.layout.shard_range(self.rank)[0]
-        for slot, g, (lo, hi) in zip(self.layout.slots, before, self.local_pieces(), strict=True):
-            if writeback and full is not None and g is not None and hi > lo:
-                g.view(-1).copy_(full[start + lo:start + hi])
-            slot.param.grad = g
+def restore_grads(h, saved: tuple | None, writeback: bool) -> None:
+    """The shards' gradients back; with ``writeback``, first updated from the full gradient (an edit made
+    inside summon is kept, as torch's ``_writeback_to_local_shard``)."""
+    if saved is None:
+        return
+    before, full = saved
+    start = h.layout.shard_range(h.rank)[0]
+    for slot, g, (lo, hi) in zip(h.layout.slots, before, h.local_pieces(), strict=True):
+        if writeback and full is not None and g is not None and hi > lo:
+            g.view(-1).copy_(full[start + lo:start + hi])
+        slot.param.grad = g

@@ -7,14 +7,16 @@
         model.load_state_dict(sd)
 
     type      model.state_dict() holds                         loads by
-    FULL      {plain name: whole tensor} (full_params.py)     copying each rank's slice into its shard
+    FULL      {plain name: whole tensor} (full_state_dict.py)     copying each rank's slice into its shard
     SHARDED   {plain name: DTensor, Shard(0)}, buffers whole   all-gathering the chunks, then as FULL
     LOCAL     {unit path + "_flat_param": local flat shard}    copying straight into the flat shard
 
-Each maps onto what the core already does: FULL is ``full_params.full_state_dict``;
+Each maps onto the same walk: FULL is ``full_state_dict.full_state_dict``;
 SHARDED gathers one unit at a time the same way and keeps the chunk
 ``torch.chunk(param, N)[r]`` of each parameter (torch's layout for it); LOCAL
-reads the flat parameter itself.
+reads the flat parameter itself.  Parameters no unit manages (``ignored_modules``, a module
+FSDP skips) are the module's own tensors under every type, as torch's.  A NO_SHARD unit (FSDP
+on one rank too) gives and loads FULL whatever the type, with torch's warning.
 
 Note (torch's enum and config classes, not copies): ``StateDictType``,
 ``FullStateDictConfig``, ``ShardedStateDictConfig``, ``LocalStateDictConfig``, the
@@ -34,6 +36,7 @@ flat shard without its padding, the local shard of torch's ``ShardedTensor``).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -54,9 +57,11 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.modules.module import _IncompatibleKeys
 
-from minifsdp.fsdp.core import full_params
-from minifsdp.fsdp.core.full_params import buffer_dtype_of, full_state_dict
-from minifsdp.fsdp.core.units import Unit, clean_name, units, units_with_params
+from minifsdp.fsdp import full_state_dict as full_sd
+from minifsdp.fsdp import pitfalls
+from minifsdp.fsdp.core.strategy import ShardingStrategy
+from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units, units_with_params
+from minifsdp.fsdp.full_state_dict import buffer_dtype_of, full_state_dict, load_full_state_dict_into_shards
 
 __all__ = ["load_full_state_dict", "StateDictType", "StateDictConfig", "FullStateDictConfig",
            "ShardedStateDictConfig",
@@ -97,12 +102,12 @@ def load_full_state_dict(module: nn.Module, state_dict, strict: bool = True) -> 
     expected: dict[str, torch.Size] = {}
 
     def expect(m, prefix):
-        for name in full_params._param_names(m, flattened, flat_ids):
+        for name in full_sd._param_names(m, flattened, flat_ids):
             expected[clean_name(prefix + name)] = full_shapes.get((id(m), name), getattr(m, name).shape)
-        for name in full_params._persistent_buffers(m):
+        for name in full_sd._persistent_buffers(m):
             expected[clean_name(prefix + name)] = m._buffers[name].shape
 
-    full_params._walk(module, expect, gather=False)
+    full_sd._walk(module, expect, gather=False)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     errors = []  # torch's messages, in its order
@@ -116,8 +121,9 @@ def load_full_state_dict(module: nn.Module, state_dict, strict: bool = True) -> 
     if errors:
         raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
             type(module).__name__, "\n\t".join(errors)))
-    full_params.load_full_state_dict(module, state_dict)
+    load_full_state_dict_into_shards(module, state_dict)
     return _IncompatibleKeys(missing, unexpected)
+
 
 
 def settings_of(unit: nn.Module) -> StateDictSettings:
@@ -191,12 +197,17 @@ def _chunked(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 def _local_entries(root) -> list[tuple[str, nn.Module, str]]:
     """(key, module, attribute) of the LOCAL state dict in ``nn.Module.state_dict`` order: a unit's flat
-    parameter (``_flat_param``) where it is registered, then each module's persistent buffers."""
+    parameter (``_flat_param``) where it is registered, the parameters no unit manages (a module FSDP skips or
+    ignores: kept whole, as torch's), then each module's persistent buffers."""
     out = []
+    managed = flattened_params(root)
 
     def visit(m, prefix):
         if isinstance(m, Unit) and m._handle is not None:
             out.append((clean_name(prefix + "_flat_param"), m, "_flat_param"))
+        for name, p in m._parameters.items():
+            if p is not None and id(p) not in managed:
+                out.append((clean_name(prefix + name), m, name))
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:
                 out.append((clean_name(prefix + name), m, name))
@@ -217,16 +228,29 @@ def _local_state_dict(root) -> "OrderedDict[str, torch.Tensor]":
             shard = h.flat_param.numel()
             valid = max(0, min(h.layout.numel - h.rank * shard, shard))
             out[key] = h.flat_param.detach()[:valid].clone()
+        elif name in m._parameters:  # no unit manages it: the module's own tensor
+            out[key] = m._parameters[name].detach()
         else:
             b = m._buffers[name]
             out[key] = b.detach().to(buffer_dtype_of(root, m, name, b), copy=True)
     return out
 
 
+def _effective(unit) -> tuple[StateDictType, StateDictConfig]:
+    """The unit's state-dict type and config; a NO_SHARD unit (FSDP on 1 rank too) gives and loads FULL with
+    the default config whatever was set, with torch's warning (torch FSDP1's ``_post_state_dict_hook``)."""
+    settings = settings_of(unit)
+    if getattr(unit, "sharding_strategy", None) is ShardingStrategy.NO_SHARD \
+            and settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
+        warnings.warn("When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
+                      stacklevel=3)
+        return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
+    return settings.state_dict_type, settings.state_dict_config
+
+
 def typed_state_dict(unit) -> "OrderedDict[str, torch.Tensor]":
     """``unit.state_dict()`` under its state-dict type (a collective for FULL and SHARDED)."""
-    settings = settings_of(unit)
-    kind, cfg = settings.state_dict_type, settings.state_dict_config
+    kind, cfg = _effective(unit)
     if kind is StateDictType.FULL_STATE_DICT:
         sd = full_state_dict(unit, rank0_only=cfg.rank0_only)
     elif kind is StateDictType.SHARDED_STATE_DICT:  # gathered unit by unit, each parameter kept as its chunk
@@ -241,7 +265,8 @@ def typed_state_dict(unit) -> "OrderedDict[str, torch.Tensor]":
 
 def load_typed_state_dict(unit, state_dict, strict: bool = True):
     """``unit.load_state_dict(sd)`` under its state-dict type."""
-    kind = settings_of(unit).state_dict_type
+    pitfalls.check_load_awaits_backward(unit)
+    kind, _ = _effective(unit)
     if kind is StateDictType.SHARDED_STATE_DICT:
         state_dict = OrderedDict((k, v.full_tensor() if isinstance(v, DTensor) else v)
                                  for k, v in state_dict.items())
@@ -255,9 +280,20 @@ def _load_local(root, state_dict, strict: bool) -> _IncompatibleKeys:
     keys = [k for k, _, _ in entries]
     missing = [k for k in keys if k not in state_dict]
     unexpected = [k for k in state_dict if k not in set(keys)]
+    no_flat = next((i for i, (k, _, name) in enumerate(entries) if name == "_flat_param" and k in missing), None)
+    if no_flat is not None:  # torch's pre-load hook asserts, strict or not, after the modules before it loaded
+        _copy_local(entries[:no_flat], state_dict)
+        raise AssertionError(f"No `FlatParameter` in `state_dict` for this FSDP instance but it has parameters "
+                             f"(no key {entries[no_flat][0]}: a LOCAL state dict holds each unit's flat shard)")
     if strict and (missing or unexpected):
         raise RuntimeError(f"Error(s) in loading the LOCAL state_dict for {type(root).__name__}: "
                            f"missing keys {missing}, unexpected keys {unexpected}")
+    _copy_local(entries, state_dict)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _copy_local(entries, state_dict) -> None:
+    """Copy each entry's value from ``state_dict`` (those it holds) into the model."""
     with torch.no_grad():
         for key, m, name in entries:
             if key not in state_dict:
@@ -266,9 +302,10 @@ def _load_local(root, state_dict, strict: bool) -> _IncompatibleKeys:
             if name == "_flat_param":  # the saved piece has no end padding
                 m._handle.flat_param[: v.numel()].copy_(v.reshape(-1))  # (bumps its version: a kept full
                 # buffer is seen stale, gathered again)
+            elif name in m._parameters:
+                m._parameters[name].copy_(v)
             else:
                 m._buffers[name].copy_(v)
-    return _IncompatibleKeys(missing, unexpected)
 
 
 def load_under_a_plain_parent(unit, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

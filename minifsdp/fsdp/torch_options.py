@@ -17,6 +17,7 @@
                                      not sharded, not reduced, not checked; auto-wrap skips them
     nested units that differ in use_orig_params / limit_all_gathers: refused at the root's first
                                      forward (torch's ValueError), :func:`check_homogeneous`
+    MixedPrecision                   the core's, plus torch's private ``_module_classes_to_ignore``
 
 Note (mixed precision and BatchNorm, as torch): with an ``auto_wrap_policy`` and a
 ``MixedPrecision``, every module of a class in ``MixedPrecision._module_classes_to_ignore``
@@ -28,21 +29,35 @@ fp32: its inputs are cast to fp32 and its outputs back to the input's dtype
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffload  # torch's own class, re-exported (as state_dict_type.py's)
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten
 
-from minifsdp.fsdp.core.mixed_precision import MixedPrecision, cast_floating
+from minifsdp.fsdp.core import mixed_precision as core_mp
+from minifsdp.fsdp.core.mixed_precision import cast_floating
 from minifsdp.fsdp.core.prefetch import BackwardPrefetch
-from minifsdp.fsdp.core.strategy import HYBRID, ShardingStrategy
-from minifsdp.fsdp.core.units import is_unit
+from minifsdp.fsdp.core.strategy import ShardingPlan, ShardingStrategy
+from minifsdp.fsdp.core.units import flattened_params, is_unit
 
-__all__ = ["CPUOffload", "size_based_auto_wrap_policy", "hybrid_groups", "mesh_process_group", "normalize_strategy",
-           "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload", "check_homogeneous",
-           "ignored_params", "policy_with_mp_overrides", "override_mixed_precision"]
+__all__ = ["CPUOffload", "MixedPrecision", "size_based_auto_wrap_policy", "hybrid_groups", "mesh_process_group",
+           "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
+           "check_homogeneous", "ignored_params", "wrap_children", "policy_with_mp_overrides",
+           "override_mixed_precision"]
+
+
+@dataclass(frozen=True)
+class MixedPrecision(core_mp.MixedPrecision):
+    """torch FSDP1's ``MixedPrecision``, every field: the core's, and ``_module_classes_to_ignore`` (with an
+    ``auto_wrap_policy``, each module of these classes becomes its own unit in fp32: :func:`override_mixed_precision`).
+    """
+
+    _module_classes_to_ignore: Sequence[type] = (_BatchNorm,)
 
 
 def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
@@ -89,7 +104,7 @@ def mesh_process_group(strategy: ShardingStrategy, process_group, device_mesh):
         return process_group
     if process_group is not None:
         raise ValueError("pass either process_group= or device_mesh=, not both")
-    if strategy not in HYBRID:
+    if not ShardingPlan.of(strategy).two_groups:
         if device_mesh.ndim != 1:
             raise ValueError(f"{strategy.name} takes a 1-D device_mesh, got {device_mesh.ndim}-D; "
                              "a 2-D mesh (replicate, shard) is for HYBRID_SHARD")
@@ -119,7 +134,7 @@ def normalize_prefetch(prefetch):
 
 
 def normalize_mixed_precision(mp):
-    """torch's ``MixedPrecision`` (same fields) -> ours."""
+    """torch's ``MixedPrecision`` or the core's (same fields, or fewer) -> ours."""
     if mp is None or isinstance(mp, MixedPrecision) or type(mp).__name__ != "MixedPrecision":
         return mp
     fields = MixedPrecision.__dataclass_fields__
@@ -152,7 +167,32 @@ def ignored_params(module: nn.Module, ignored_modules=None, ignored_states=None)
         raise ValueError("`ignored_modules` should not include FSDP modules")
     modules = {m for r in roots for m in r.modules() if not is_unit(m)}
     params |= {p for m in modules for p in m.parameters()}
+    for unit in (m for m in module.modules() if is_unit(m)):  # a nested unit's ignored states stay ignored
+        for ext in getattr(unit, "_extensions", ()):           # (torch's _get_ignored_modules adds them too)
+            modules |= set(getattr(ext, "ignored_modules", ()))
+            params |= set(getattr(ext, "ignored_params", ()))
     return modules, params
+
+
+def wrap_children(module: nn.Module, policy: Callable, wrap: Callable[[nn.Module], nn.Module], ignored=frozenset(),
+                  top: bool = True) -> tuple[nn.Module, int]:
+    """The core's ``recursive_wrap`` (``core/wrap.py``), as torch's ``_recursive_wrap`` with ``ignored_modules``:
+    an ignored module is never wrapped or looked into, and its parameters count for no one."""
+    if is_unit(module) or module in ignored:
+        return module, 0
+    skip = flattened_params(module) | {id(p) for m in ignored for p in m.parameters()}
+    nonwrapped = sum(p.numel() for p in module.parameters() if id(p) not in skip)
+    if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
+        return module, 0
+    wrapped_numel = 0
+    for name, child in module.named_children():
+        new_child, n = wrap_children(child, policy, wrap, ignored, top=False)
+        if new_child is not child:
+            setattr(module, name, new_child)
+        wrapped_numel += n
+    if not top and policy(module=module, recurse=False, nonwrapped_numel=nonwrapped - wrapped_numel):
+        return wrap(module), nonwrapped
+    return module, wrapped_numel
 
 
 def policy_with_mp_overrides(policy, classes: tuple):

@@ -1,9 +1,9 @@
 """Chapter 5: ``FSDPModule``, the methods a sharded module gains, and ``register_fsdp_forward_method``.
 
 ``fully_shard`` changes a module's class to ``FSDP<Orig>`` with :class:`FSDPModule` first in its bases, as torch
-does, so these methods exist on the module itself.  Each one only sets a flag on the module's state or parameter
-group (``recurse=True``: on every sharded module below it too); the hooks in :mod:`minifsdp.fsdp2.state` and
-:mod:`minifsdp.fsdp2.param_group` read them.  The names, arguments and defaults are torch's:
+does, so these methods exist on the module itself.  Each one only changes a setting of the module's state, its
+parameter group, or one of the group's plugins (``recurse=True``: on every sharded module below it too); the core's
+hooks (:mod:`minifsdp.fsdp2.core`) and the plugins read them.  The names, arguments and defaults are torch's:
 
     unshard / reshard                      gather now (optionally returning a handle) / free the full parameters
     set_requires_gradient_sync(False)      accumulate full gradients, no reduce-scatter (nor HSDP all-reduce)
@@ -23,6 +23,12 @@ synchronous collectives on one thread there is nothing for them to change.  Not 
 reduce-scatter objects (``set_custom_all_gather`` / ``set_custom_reduce_scatter``: torch's hooks to replace the
 collective itself, e.g. by one over symmetric memory).  The all-gather *extensions* (a parameter's local tensor
 choosing what is gathered and how the full weight is rebuilt) are built: :mod:`minifsdp.fsdp2.extensions`.
+
+:class:`GradientSync` is the plugin behind ``set_requires_gradient_sync(False)`` (gradient accumulation): it
+plugs in before the core's reduce-scatter (``before_reduce``, :mod:`minifsdp.fsdp2.core.plugin`), takes the full
+gradients out of the reduction and keeps them, on the unsharded parameter (where autograd adds the next backward's
+to them) or, under a ``reduce_dtype``, in an accumulator of that dtype (as torch's, so micro-batches add up in the
+higher precision); the backward that syncs reduces the sum.
 """
 
 from __future__ import annotations
@@ -33,10 +39,45 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp2.param_group import FSDPParamGroup
-from minifsdp.fsdp2.state import FSDPState, fsdp_state
+from minifsdp.fsdp2.core import FSDPParam, FSDPParamGroup, FSDPState, Plugin, TrainingState, fsdp_state
+from minifsdp.fsdp2.hsdp import AllReduceHook, Replicate
+from minifsdp.fsdp2.reshard import ReshardToGroup
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "GradientSync"]
+
+
+class GradientSync(Plugin):
+    """The plugin for ``set_requires_gradient_sync``: backwards that keep their full gradients for a later one."""
+
+    def __init__(self):
+        self.requires_gradient_sync = True
+        self.accumulated: dict[FSDPParam, torch.Tensor] = {}  # full gradients in reduce_dtype, until a sync
+
+    def before_reduce(self, group, params: list, grads: list[torch.Tensor]) -> None:
+        if not self.requires_gradient_sync:  # keep them all; nothing is reduced this time
+            for p, g in zip(params, grads, strict=True):
+                if p in self.accumulated:
+                    self.accumulated[p] += g
+                elif p.reduce_dtype is not None and g.dtype != p.reduce_dtype:
+                    self.accumulated[p] = g.to(p.reduce_dtype)
+                else:
+                    p.unsharded_param.grad = g  # autograd adds the next backward's gradient to it
+            params.clear()
+            grads.clear()
+        elif self.accumulated:  # this backward syncs: reduce the sums, in the group's order
+            new = dict(zip(params, grads, strict=True))
+            params.clear()
+            grads.clear()
+            for p in group.fsdp_params:
+                g = new.pop(p, None)
+                if p in self.accumulated:
+                    total = self.accumulated.pop(p)
+                    if g is not None:
+                        total += g
+                    g = total
+                if g is not None:
+                    params.append(p)
+                    grads.append(g)
 
 
 class UnshardHandle:
@@ -67,6 +108,11 @@ def _set(module: nn.Module, recurse: bool, **flags: Any) -> None:
     for group in _groups(module, recurse):
         for name, value in flags.items():
             setattr(group, name, value)
+
+
+def _plugins(module: nn.Module, recurse: bool, cls: type) -> list:
+    """The plugins of type ``cls`` of the groups of ``module`` (and below it, with ``recurse``)."""
+    return [p for group in _groups(module, recurse) for p in group.plugins if isinstance(p, cls)]
 
 
 class FSDPModule:
@@ -107,17 +153,36 @@ class FSDPModule:
             group.reshard()
 
     def reset_iter_state(self) -> None:
-        fsdp_state(self).reset_iter_state()
+        """After an exception in forward or backward (torch's ``_reset_iter_state``), on the root: every state and
+        group back to IDLE and sharded, pending gathers, the forward order and HSDP's partial sums dropped."""
+        state = fsdp_state(self)
+        if state.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        ctx = state.ctx
+        ctx.post_forward_order.clear()
+        for s in ctx.all_states:
+            s.training_state = TrainingState.IDLE
+            if s.param_group is not None:  # pending gathers and the order forgotten, sharded again
+                s.param_group.finalize_backward()
+                s.param_group.training_state = TrainingState.IDLE
+                s.param_group.to_sharded()
+        ctx.iter_forward_root = None
+        ctx.callback_queued = False
+        for plugin in _plugins(self, True, Replicate):
+            plugin.partial = None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         fsdp_state(self).ctx.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: backward keeps full gradients on each rank unreduced (accumulation); True: reduce-scatter."""
-        _set(self, recurse, reduce_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync)
+        for plugin in _plugins(self, recurse, GradientSync):
+            plugin.requires_gradient_sync = requires_gradient_sync
+        self.set_requires_all_reduce(requires_gradient_sync, recurse=recurse)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        _set(self, recurse, all_reduce_grads=requires_all_reduce)
+        for plugin in _plugins(self, recurse, Replicate):
+            plugin.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -126,7 +191,9 @@ class FSDPModule:
             state = fsdp_state(m) if isinstance(m, FSDPModule) else None
             if state is not None:
                 state.auto_reshard = False
-        _set(self, recurse, reshard_after_forward=reshard_after_forward, post_forward_group=None)
+        _set(self, recurse, reshard_after_forward=reshard_after_forward)
+        for group in _groups(self, recurse):  # a bool replaces an int's smaller group
+            group.plugins = [p for p in group.plugins if not isinstance(p, ReshardToGroup)]
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         _set(self, recurse, reshard_after_backward=reshard_after_backward)
@@ -154,9 +221,9 @@ class FSDPModule:
         group = fsdp_state(self).param_group
         if group is None:
             return
-        if stream is not None and group.replicate_group is not None:
+        if stream is not None and _plugins(self, False, Replicate):
             raise ValueError("stream cannot be set when using native HSDP")
-        group.all_reduce_hook = hook
+        group.plugins = [p for p in group.plugins if not isinstance(p, AllReduceHook)] + [AllReduceHook(hook)]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         _set(self, False, unshard_in_backward=unshard_in_backward)
@@ -172,7 +239,7 @@ class FSDPModule:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        _set(self, True, unshard_async_op=async_op)
+        """torch's choice of stream for the all-gather; the collectives here are synchronous on one thread."""
 
     def set_custom_all_gather(self, comm) -> None:
         raise NotImplementedError("minifsdp's fully_shard has no custom all-gather object (it always calls torch's "

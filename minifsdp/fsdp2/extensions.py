@@ -1,7 +1,7 @@
 """Chapter 5: all-gather extensions, torch FSDP2's two hooks for parameters that are not plain tensors.
 
 A plain parameter is gathered as it is stored: each rank sends its padded rows, the full weight is the N rows
-put side by side (:mod:`minifsdp.fsdp2.param_group`).  A quantized weight (int8 or fp8 data plus a scale), a
+put side by side (:mod:`minifsdp.fsdp2.core.collectives`).  A quantized weight (int8 or fp8 data plus a scale), a
 weight kept as two tensors, or a weight one wants to send in bf16 but compute in fp32 needs something else: send
 *other* tensors, maybe several, maybe of other dtypes, and build the full weight from what arrives.  torch lets the
 parameter's local tensor (the DTensor's ``_local_tensor``: a tensor subclass, or a plain tensor with the two
@@ -31,9 +31,12 @@ w (an extension: data int8 and scale fp32) and a plain bias b, N = 2::
                                  b's columns                    -> b's full buffer, as a plain parameter
     post hook: w.fsdp_post_all_gather((data (2*rows, cols), scale (2*rows, 1)), metadata, fp32) -> full w
 
-Why its own module: the plain path stays as it reads in ``param_group`` (one dtype, one input per parameter,
-copy-out into the full buffer); a group takes this path only when some parameter defines the hooks or the
-group mixes dtypes.  Not built here, as in torch: an int ``reshard_after_forward`` with extensions.
+Why above the core: the core's gather (one dtype, one input per parameter, copy-out into the full buffer) stays
+as it reads; :class:`GatherExtensions` plugs in (:mod:`minifsdp.fsdp2.core.plugin`) where a group gathers
+(``all_gather``: only when some parameter defines the hooks or the group mixes dtypes), reshards (``before_reshard``:
+free the outputs) and is set up (``after_shard`` and again ``on_lazy_init``: find the hooks, also ones patched onto
+the local tensors in between, as torch's).  Not built here, as in torch: an int ``reshard_after_forward`` with
+extensions.
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ import inspect
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp2.param import FSDPParam, _alloc, _free, contiguous_stride
+from minifsdp.fsdp2.core import FSDPParam, Plugin
+from minifsdp.fsdp2.core.param import alloc_storage, contiguous_stride, free_storage
+from minifsdp.fsdp2.placement import copy_out_param
 
-__all__ = ["Extension", "GroupGather", "find_extensions", "needs_general_gather"]
+__all__ = ["GatherExtensions", "Extension", "GroupGather", "sharded_local"]
 
 
 def sharded_local(p: FSDPParam) -> torch.Tensor:
@@ -92,7 +97,7 @@ class Extension:
         if not self.outputs:
             self.outputs = [torch.empty(world * numel, dtype=dtype, device=device) for numel, dtype in inputs]
         for t in self.outputs:
-            _alloc(t)
+            alloc_storage(t)
         return self.outputs
 
     def post_all_gather(self, p: FSDPParam) -> None:
@@ -102,7 +107,7 @@ class Extension:
         dtype = p.param_dtype or p.orig_dtype
         if p.unsharded_param is not None:
             for t in self.inner_tensors:
-                _alloc(t)
+                alloc_storage(t)
             hook(outputs, self.metadata, dtype, out=p.unsharded_param)
         else:
             full, inner = hook(outputs, self.metadata, dtype)
@@ -115,46 +120,67 @@ class Extension:
     def free(self) -> None:
         """At reshard: free the outputs and the inner tensors the post hook named."""
         for t in (*self.outputs, *self.inner_tensors):
-            _free(t)
+            free_storage(t)
 
 
-def find_extensions(params: list[FSDPParam]) -> None:
-    """Give each parameter whose local tensor defines the hooks an :class:`Extension` (at ``fully_shard`` and again
-    at lazy init, so hooks patched onto the local tensors in between count, as torch's)."""
-    for p in params:
-        local = sharded_local(p)
-        pre, post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
-        if pre != post:
-            raise AssertionError("Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined if using "
-                                 f"all-gather extensions: {local}")
-        if not pre or p.mesh is None:
-            p.extension = None
-        elif p.extension is None:
-            mesh = p.mesh if p.mesh.ndim == 1 else p.mesh[p.mesh.mesh_dim_names[-1]]
-            p.extension = Extension(mesh)
+class GatherExtensions(Plugin):
+    """The plugin: one :class:`Extension` per parameter whose local tensor defines the hooks."""
 
+    def __init__(self):
+        self.extensions: dict[FSDPParam, Extension] = {}
 
-def needs_general_gather(params: list[FSDPParam]) -> bool:
-    """Some parameter has extension hooks, or the parameters' all-gather dtypes differ (a byte buffer then)."""
-    return any(p.extension is not None for p in params) or len({p.unsharded_dtype for p in params}) > 1
+    def after_shard(self, group, originals) -> None:
+        self._find(group)
+
+    def on_lazy_init(self, group) -> None:
+        self._find(group)
+
+    def _find(self, group) -> None:
+        """Give each parameter whose local tensor defines the hooks an :class:`Extension` (kept if it has one)."""
+        for p in group.fsdp_params:
+            local = sharded_local(p)
+            pre, post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
+            if pre != post:
+                raise AssertionError("Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined if using "
+                                     f"all-gather extensions: {local}")
+            if not pre or p.mesh is None:
+                self.extensions.pop(p, None)
+            elif p not in self.extensions:
+                mesh = p.mesh if p.mesh.ndim == 1 else p.mesh[p.mesh.mesh_dim_names[-1]]
+                self.extensions[p] = Extension(mesh)
+
+    def all_gather(self, group):
+        """This path only if some parameter has hooks or the parameters' dtypes differ (a byte buffer then)."""
+        params = group.fsdp_params
+        if not self.extensions and len({p.unsharded_dtype for p in params}) == 1:
+            return None
+        return GroupGather.start(params, self.extensions, group.mp_policy, group.comm, group.group,
+                                 group.world_size, group.rank)
+
+    def before_reshard(self, group) -> None:
+        if group.is_unsharded:
+            for ext in self.extensions.values():
+                ext.free()
 
 
 class GroupGather:
-    """One group's all-gather when :func:`needs_general_gather`: several inputs per parameter, any dtypes.
+    """One group's all-gather through the extensions: several inputs per parameter, any dtypes.
 
-    Made by :meth:`start` (the pre hooks, the copy-in and the collective), finished by :meth:`copy_out` (the
-    outputs, the post hooks), as ``FSDPParamGroup.unshard`` / ``wait_for_unshard`` split the plain gather."""
+    :meth:`start` runs the pre hooks, the copy-in and the collective; :meth:`copy_out` the outputs and the post
+    hooks, as the core's gather splits ``unshard`` / ``wait_for_unshard``."""
 
-    def __init__(self, params: list[FSDPParam], inputs: list[list[tuple[int, torch.dtype]]], buffer: torch.Tensor,
-                 sizes: list[int], as_bytes: bool, world: int):
-        self.params, self.inputs, self.buffer, self.sizes = params, inputs, buffer, sizes
+    def __init__(self, params: list[FSDPParam], extensions: dict[FSDPParam, Extension],
+                 inputs: list[list[tuple[int, torch.dtype]]], buffer: torch.Tensor, sizes: list[int], as_bytes: bool,
+                 world: int):
+        self.params, self.extensions, self.inputs, self.buffer, self.sizes = params, extensions, inputs, buffer, sizes
         self.as_bytes, self.world = as_bytes, world  # as_bytes: the inputs' dtypes differ, the buffer is uint8
 
     @classmethod
     @torch.no_grad()
-    def start(cls, params: list[FSDPParam], mp_policy, comm, group, world: int, rank: int) -> "GroupGather":
-        inputs = [p.extension.pre_all_gather(p, mp_policy) if p.extension is not None else [p.all_gather_input()]
-                  for p in params]
+    def start(cls, params: list[FSDPParam], extensions: dict[FSDPParam, Extension], mp_policy, comm, group,
+              world: int, rank: int) -> GroupGather:
+        inputs = [extensions[p].pre_all_gather(p, mp_policy) if p in extensions
+                  else [p.all_gather_input().to(p.unsharded_dtype)] for p in params]
         flat = [t for ts in inputs for t in ts]
         as_bytes = any(t.dtype != flat[0].dtype for t in flat)
         if as_bytes:
@@ -168,7 +194,7 @@ class GroupGather:
         if world > 1:
             comm.all_gather(buffer, mine, group=group)
         kept = [[(t.numel(), t.dtype) for t in ts] for ts in inputs]  # not the inputs: they may be freed now
-        return cls(params, kept, buffer, sizes, as_bytes, world)
+        return cls(params, dict(extensions), kept, buffer, sizes, as_bytes, world)
 
     @torch.no_grad()
     def copy_out(self) -> None:
@@ -176,14 +202,14 @@ class GroupGather:
         rows = self.buffer.view(self.world, -1)
         columns = iter(rows.split(self.sizes, dim=1))
         for p, inputs in zip(self.params, self.inputs, strict=True):
-            if p.extension is None:  # a plain parameter: its N chunks, typed again, into its full buffer
+            if p not in self.extensions:  # a plain parameter: its N chunks, typed again, into its full buffer
                 got = next(columns)
-                numel, dtype = inputs[0]
-                p.copy_out(got.contiguous().view(dtype) if self.as_bytes else got, 0, numel)
+                copy_out_param(p, got.contiguous().view(inputs[0][1]) if self.as_bytes else got)
                 continue
-            outputs = p.extension.alloc_outputs(inputs, self.world, rows.device)
+            ext = self.extensions[p]
+            outputs = ext.alloc_outputs(inputs, self.world, rows.device)
             with torch.autograd._unsafe_preserve_version_counter(tuple(outputs)):
                 for out in outputs:
                     dst = out.view(self.world, -1)
                     (dst.view(torch.uint8) if self.as_bytes else dst).copy_(next(columns))
-            p.extension.post_all_gather(p)
+            ext.post_all_gather(p)

@@ -9,14 +9,15 @@ Usage, as torch's (bottom-up: each block, then the root)::
 
 What one call does to ``module`` (or to each module of a list, ``fully_shard([norm, head])``, one group for all):
 
-1. takes the parameters of the module(s) that no earlier ``fully_shard`` call took (a tied weight once, with
-   every ``(module, name)`` that holds it; ``ignored_params`` left alone), in torch's order (submodules before
-   their parent), and makes one :class:`~minifsdp.fsdp2.param_group.FSDPParamGroup`: each parameter replaced by
-   an ``nn.Parameter`` wrapping a torch ``DTensor`` whose local tensor is this rank's rows (see
-   :mod:`minifsdp.fsdp2.param`; ``shard_placement_fn`` may pick another dim).  Buffers stay as they are
-   (replicated); frozen parameters are sharded and gathered but get no gradient.
-2. attaches an :class:`~minifsdp.fsdp2.state.FSDPState` and its forward hooks (the state's docstring says what
-   runs when).
+1. checks its arguments as torch's does, and turns them into what the core takes: a
+   :class:`~minifsdp.fsdp2.core.MeshInfo` (the shard group, the DTensor label, the data-parallel size) and the
+   plugins that carry the rest of torch's options into the step (the table in ``minifsdp/fsdp2/__init__.py``),
+   in the order each point of the step calls them: the shard adopted before its hooks are looked for, gradients
+   kept for accumulation before another plugin reshapes them, a smaller group's pieces gathered before anything.
+2. lets the core take the parameters and shard them as one group, attach the state and its hooks
+   (:func:`minifsdp.fsdp2.core.shard_modules`): each parameter becomes an ``nn.Parameter`` holding a torch
+   ``DTensor`` whose local tensor is this rank's rows.  Buffers stay as they are (replicated); frozen parameters
+   are sharded and gathered but get no gradient.
 3. changes the module's class to ``FSDP<Orig>`` (a subclass made once per class, with
    :class:`~minifsdp.fsdp2.api.FSDPModule` first in its bases), exactly as torch does, so ``model.unshard()`` and
    the setters exist on the module itself and ``isinstance(model, Orig)`` holds.
@@ -30,8 +31,9 @@ It also records ``"fully_shard"`` in torch's composable-API registry on the modu
 ``replicate()`` applied around it leaves the sharded parameters alone.
 
 Checks, torch's: a container without a forward (``ModuleList``), a module already taken, a 2-D mesh without
-dim names, a non-contiguous or 0-dim parameter, a weight tied across two calls (at the first forward), and
-``deepcopy`` of a sharded module are refused with torch's exception types.
+dim names, a non-contiguous or 0-dim parameter, a ``shard_placement_fn`` answer outside the parameter's dims or
+not dividing evenly, a weight tied across two calls (at the first forward), and ``deepcopy`` of a sharded module
+are refused with torch's exception types.
 
 How ours differs from torch's, on purpose: ``mesh`` may also be a process group (made a 1-D mesh over its
 ranks); everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with), so
@@ -49,15 +51,29 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable.contract import REGISTRY_KEY
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from minifsdp.comm import get_collectives
-from minifsdp.fsdp2.api import FSDPModule
-from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
-from minifsdp.fsdp2.param_group import FSDPParamGroup
-from minifsdp.fsdp2.state import FSDPState, fsdp_state
+from minifsdp.fsdp2 import pitfalls
+from minifsdp.fsdp2.api import FSDPModule, GradientSync
+from minifsdp.fsdp2.core import (
+    FSDPState,
+    MeshInfo,
+    MixedPrecisionPolicy,
+    TrainingState,
+    fsdp_state,
+    managed_params,
+    shard_modules,
+)
+from minifsdp.fsdp2.core.state import cast_tensors
+from minifsdp.fsdp2.extensions import GatherExtensions
+from minifsdp.fsdp2.hsdp import Replicate as ReplicatePlugin
+from minifsdp.fsdp2.materialize import Materialize
+from minifsdp.fsdp2.offload import CPUOffload
+from minifsdp.fsdp2.placement import ShardPlacement, resolve_placements
+from minifsdp.fsdp2.reshard import ReshardToGroup
 
-__all__ = ["fully_shard", "FSDPModule", "FSDPState", "fsdp_state"]
+__all__ = ["fully_shard", "FSDPModule", "fsdp_state"]
 
 _FSDP_CLASSES: dict[type, type] = {}
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so safe as a shared default
@@ -110,44 +126,39 @@ def _post_forward(reshard_after_forward, mesh: DeviceMesh, group):
     return True, mine
 
 
-def _managed_params(modules: tuple[nn.Module, ...], ignored: set[int]):
-    """Parameters of ``modules`` and their submodules not already taken by a nested ``fully_shard``, each
-    once, in torch's order (depth first, a module after its children), with every (module, name) holding it."""
-    managed, visited = [], set()
+def _hook_modules(state: FSDPState) -> None:
+    """``fully_shard([a, b])``: one group for several modules (torch's grouping, e.g. for a weight the two tie).  The
+    group is gathered at the first module's pre-forward of a pass and resharded once every module of the call ran;
+    if the root's forward ends with some not run (a loss that calls ``model.head`` later, chunk by chunk), the root
+    finishes the state (core/state.py), and each later call gathers on its own, as torch's."""
+    to_run: set[nn.Module] = set()
 
-    def visit(m: nn.Module) -> None:
-        if m not in modules and fsdp_state(m) is not None:
-            return  # a nested fully_shard took it
-        visited.add(m)
-        for child in m.children():
-            if child not in visited:
-                visit(child)
-        managed.append(m)
+    def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+        if state.training_state is not TrainingState.FORWARD:  # a new pass (or a recomputation in backward)
+            to_run.clear()
+            to_run.update(state.modules)
+        return state.pre_forward(module, args, kwargs)
 
-    for m in modules:
-        visit(m)
-    params, users = [], {}
-    for m in managed:
-        for name, p in m._parameters.items():
-            if p is None or id(p) in ignored or isinstance(p, DTensor):  # a DTensor: sharded by a nested call
-                continue
-            if p.dim() == 0:
-                raise ValueError(f"fully_shard doesn't support scalar parameters. Change {name} to a 1D tensor with "
-                                 "numel equal to 1.")
-            if id(p) not in users:
-                params.append(p)
-                users[id(p)] = []
-            users[id(p)].append((m, name))
-    return params, users
+    def post_forward_of(module: nn.Module):
+        def hook(hook_module: nn.Module, args: tuple, output):
+            if module in to_run:
+                to_run.discard(module)
+                if not to_run:  # the last module of the call ran
+                    return state.post_forward(hook_module, args, output)
+            return cast_tensors(output, state.mp_policy.output_dtype)
+        return hook
+
+    for module in state.modules:
+        module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(post_forward_of(module), always_call=True)
 
 
-def _placement(param: nn.Parameter, shard_placement_fn) -> Shard:
-    placement = None if shard_placement_fn is None else shard_placement_fn(param)
-    if placement is None:
-        return Shard(0)
-    if not isinstance(placement, Shard):
-        raise NotImplementedError(f"fully_shard: shard_placement_fn returned {placement}; a Shard(dim) or None")
-    return Shard(placement.dim + param.ndim) if placement.dim < 0 else placement
+def _reshard_for_state_dict(group) -> None:
+    """``state_dict()`` / ``load_state_dict()`` see the sharded parameters, even right after a forward that kept the
+    full ones (``reshard_after_forward=False``), as torch's: a pre-hook on every module holding the group's."""
+    for module in {id(m): m for p in group.fsdp_params for m, _ in p.users}.values():
+        module.register_state_dict_pre_hook(lambda *a, **k: group.to_sharded())
+        module.register_load_state_dict_pre_hook(lambda *a, **k: group.to_sharded())
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after_forward: bool | int | None = None,
@@ -165,20 +176,37 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
                                  f"fully_shard has already been applied to the following module:\n{m}")
     device_mesh, group, replicate_group = _resolve_mesh(mesh, modules)
     reshard_after_forward, post_forward_group = _post_forward(reshard_after_forward, device_mesh, group)
-    offload = offload_policy is not None and hasattr(offload_policy, "pin_memory")  # a CPUOffloadPolicy
+    offload = offload_policy is not None and hasattr(offload_policy, "pin_memory")  # ours or torch's CPUOffloadPolicy
     device = torch.device("cpu") if device_mesh.device_type == "cpu" else \
         torch.device(device_mesh.device_type, torch.get_device_module(device_mesh.device_type).current_device())
     if offload and offload_policy.pin_memory:
         torch.empty(1).pin_memory()  # as torch's: pinning needs an accelerator, and says so if there is none
-    params, users = _managed_params(modules, {id(p) for p in ignored_params or ()})
-    param_group = None
-    if params:
-        dims = [_placement(p, shard_placement_fn) for p in params]
-        placements = [(Shard(d.dim),) if replicate_group is None else (Replicate(), Shard(d.dim)) for d in dims]
-        param_group = FSDPParamGroup(params, users, modules, group, get_collectives(collectives), mp_policy,
-                                     reshard_after_forward is not False, replicate_group, post_forward_group,
-                                     device_mesh, placements, offload, device)
-    FSDPState(modules, param_group, mp_policy, auto_reshard=reshard_after_forward is None)
+    ignored = {id(p) for p in ignored_params or ()}
+    shard_size = dist.get_world_size(group)
+    params, users = managed_params(modules, ignored)  # the originals, before sharding replaces them
+    placements = resolve_placements(modules, params, shard_size, shard_placement_fn)
+    plugins = [Materialize(), GradientSync()]  # in the order each point calls them (core/plugin.py)
+    if post_forward_group is not None:
+        plugins.append(ReshardToGroup(post_forward_group))
+    plugins.append(GatherExtensions())
+    if placements:
+        plugins.append(ShardPlacement(placements))
+    if offload:
+        plugins.append(CPUOffload())
+    if replicate_group is None:
+        mesh_info = MeshInfo(group, device_mesh, (Shard(0),))
+    else:
+        mesh_info = MeshInfo(group, device_mesh, (Replicate(), Shard(0)),
+                             shard_size * dist.get_world_size(replicate_group))
+        plugins.append(ReplicatePlugin(replicate_group))
+    state = shard_modules(modules, mesh_info, comm=get_collectives(collectives), device=device,
+                          reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ignored=ignored,
+                          plugins=plugins)
+    pitfalls.watch(modules, params, users)  # ch 6: an optimizer left holding these (fsdp2/pitfalls.py)
+    if len(modules) > 1:
+        _hook_modules(state)
+    if state.param_group is not None:
+        _reshard_for_state_dict(state.param_group)
     for m in modules:
         _swap_class(m)
         # torch's composable APIs (replicate(), checkpoint()) learn from this registry that fully_shard owns the

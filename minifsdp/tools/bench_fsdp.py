@@ -7,18 +7,14 @@ Six trainers of the same TinyGPT (``GPTConfig.bench()``: 19.0M parameters, each
     ours_ring    minifsdp FSDP, FULL_SHARD, our ring collectives (minifsdp.comm.collectives)
     fsdp1        torch FullyShardedDataParallel, FULL_SHARD          <- the reference (ratio 1.00)
     fsdp2        torch fully_shard (reshard_after_forward=True)
-    ours_fsdp2   minifsdp.fully_shard (per-parameter, chapter 5), as fsdp2     <- also read against fsdp2
+    ours_fsdp2   minifsdp.fully_shard (per-parameter, chapter 5), as fsdp2  <- also read against fsdp2
     ddp          torch DistributedDataParallel (gradient_as_bucket_view=True)
 
-Step time.  After ``--warmup`` steps each, the trainers take turns (the order
-rotates every repeat, so none is always first), each step timed as
-
-    barrier -> t0 -> zero_grad, forward, backward, optimizer.step -> t1
-    time = max over ranks of (t1 - t0)          (the step is done when the slowest rank is)
-
-and we keep the median of ``--steps`` repeats.  The CPU time of the step
-(``time.process_time``, all threads of the rank, max over ranks) is kept too:
-on a machine shared with other work it is steadier than the wall clock.
+Step time.  One round of the bench harness (:mod:`minifsdp.tools.bench_harness`:
+turns, each time the slowest rank's, ``--warmup`` rounds first) is one step of each
+trainer (zero_grad, forward, backward, optimizer.step); we keep the median of
+``--steps`` rounds, and of the step's CPU time (``time.process_time``, every thread
+of the rank): on a machine shared with other work it is steadier than the clock.
 
 Peak memory, three witnesses.  In a second spawn (fresh ranks, told to give
 freed memory back to the OS: ``MALLOC_ENV``), each trainer is built in turn
@@ -63,6 +59,9 @@ Every figure is printed as a ratio to torch FSDP1, measured in the same run
 the book makes.  Step time and peak are also printed as ratios to torch FSDP2
 (``x FSDP2``), the pair to read for ``ours_fsdp2``.
 
+The trainers (:func:`wrap`) and their time pass (:func:`time_trainers`: one round is one
+:func:`step` of each on the round's batch) are the GPU bench's too (``bench_fsdp_cuda``).
+
 Note: on a laptop the ranks share a few cores (4 ranks on 2 cores run at half
 speed each) and every link is the loopback interface; compute dominates, so
 the ratios are what to read, not the milliseconds.
@@ -72,23 +71,30 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import gc
-import os
+import itertools
 import statistics
-import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as torch_checkpointing
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_auto_wrap_policy
 
+import minifsdp.fsdp as ours
+import minifsdp.fsdp2 as ours2
 from minifsdp.comm import stream as comm_stream
-from minifsdp.launch import spawn
 from minifsdp.memory.census import live_tensor_bytes, return_freed_memory, rss_bytes
 from minifsdp.memory.tracker import CATEGORIES, MemoryTracker, snapshot
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools.bench import load_average, write_bench_json
+from minifsdp.tools import bench_harness as harness
 
-__all__ = ["run_fsdp_bench", "TRAINERS", "CONFIGS", "bench_rank", "format_table"]
+__all__ = ["run_fsdp_bench", "TRAINERS", "CONFIGS", "bench_rank", "format_table", "FSDP1", "fsdp1", "wrap", "build",
+           "step", "time_trainers"]
 
 TRAINERS = ("ours_torch", "ours_ring", "fsdp1", "fsdp2", "ours_fsdp2", "ddp")
 REFERENCE = "fsdp1"
@@ -96,87 +102,100 @@ REFERENCE_FSDP2 = "fsdp2"  # the second reference: per-parameter sharding, ours 
 CONFIGS = {"bench": GPTConfig.bench, "small": GPTConfig.small, "tiny": GPTConfig.tiny}
 # the aims: step time <= 0.9x torch FSDP1's on the small config and ahead of it (< 1x) on the others;
 # peak per rank <= min(FSDP1's, FSDP2's) on every config (each where measured)
-AIMS = {"ours_torch": 0.9, "ours_ring": 0.9}  # the small config's; elsewhere 1.0 (time_aim)
+AIMS = {"ours_torch": 0.9, "ours_ring": 0.9}  # the small config's; elsewhere 1.0 (_aim)
 SHORT = {"parameters": "shards", "gradients": "grads", "optimizer_state": "adam", "buffers": "buffers",
          "unsharded_parameters": "gathered", "activations": "activations", "other": "other"}
 # glibc: every block of 64 KiB or more gets its own mapping, unmapped when freed.  By default glibc raises this
 # threshold (up to 32 MiB) each time such a block is freed, then keeps freed blocks for reuse, so the RSS holds
 # what was freed and reads up to 2x the live tensors (19M parameters).  Only in the memory spawn: it slows steps.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
+CPU = harness.CPU
 
 
-def _wrap(name: str, model: torch.nn.Module) -> torch.nn.Module:
-    """Wrap ``model`` (a TinyGPT) as trainer ``name``; every FSDP wraps each Block as its own unit."""
-    if name in ("ours_torch", "ours_ring"):
-        from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
-        from minifsdp.fsdp.fully_sharded import FullyShardedDataParallel
+# FSDP1, torch's and ours: the same names, the same calls (minifsdp.fsdp mirrors torch.distributed.fsdp)
+FSDP1 = {side: SimpleNamespace(FSDP=api.FullyShardedDataParallel, BackwardPrefetch=api.BackwardPrefetch,
+                               MixedPrecision=api.MixedPrecision, policy=policy, checkpointing=checkpointing)
+         for side, api, policy, checkpointing in (
+             ("torch", torch_fsdp, torch_auto_wrap_policy, torch_checkpointing.apply_activation_checkpointing),
+             ("ours", ours, ours.transformer_auto_wrap_policy, ours.apply_activation_checkpointing))}
 
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-        return FullyShardedDataParallel(model, auto_wrap_policy=policy, collectives=name[len("ours_"):])
-    if name == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-        return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
-    if name in ("fsdp2", "ours_fsdp2"):  # the same calls: every Block, then the root, on a 1-D mesh
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+def fsdp1(side: str, model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    """``model`` under FSDP1, ``side`` "torch" or "ours", each Block its own unit; ``kwargs`` to the constructor."""
+    api = FSDP1[side]
+    return api.FSDP(model, auto_wrap_policy=functools.partial(api.policy, transformer_layer_cls={Block}), **kwargs)
 
-        from minifsdp.fsdp2 import fully_shard as ours_fully_shard
 
-        fully_shard = torch_fully_shard if name == "fsdp2" else ours_fully_shard
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+def wrap(name: str, model: torch.nn.Module, device: torch.device = CPU, precision: str = "fp32") -> torch.nn.Module:
+    """``model`` (a TinyGPT on ``device``) as trainer ``name``; every FSDP wraps each Block as its own unit.
+
+    ``precision`` "bf16": MixedPrecision(param_dtype=bf16, reduce_dtype=fp32) for both FSDP1s, the same
+    MixedPrecisionPolicy for both fully_shards; ``plain`` and ``ddp`` take ``torch.autocast`` in :func:`step`.
+    """
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
+    if name == "plain":  # the unwrapped model: no communication, the floor
+        return model
     if name == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-    raise ValueError(f"unknown trainer {name!r}; choose from {TRAINERS}")
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    if name in ("ours_torch", "ours_ring", "fsdp1"):
+        side = "torch" if name == "fsdp1" else "ours"
+        kw = {"device_id": device} if side == "torch" else {"collectives": name[len("ours_"):]}
+        return fsdp1(side, model, mixed_precision=FSDP1[side].MixedPrecision(**bf16) if bf16 else None, **kw)
+    if name in ("fsdp2", "ours_fsdp2"):  # the same calls: every Block, then the root, on a 1-D mesh
+        api = torch_fsdp if name == "fsdp2" else ours2  # the same names: fully_shard, MixedPrecisionPolicy
+        kw = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+        if bf16:
+            kw["mp_policy"] = api.MixedPrecisionPolicy(**bf16)
+        for block in model.blocks:
+            api.fully_shard(block, **kw)
+        return api.fully_shard(model, **kw)
+    raise ValueError(f"unknown trainer {name!r}; choose from {', '.join(TRAINERS)} or plain")
 
 
-def _step(model, opt, x, y) -> None:
+def build(name: str, model: torch.nn.Module, device: torch.device = CPU, precision: str = "fp32"):
+    """(``model`` moved to ``device`` and wrapped as trainer ``name``, its AdamW with lr 1e-4)."""
+    model = wrap(name, model.to(device), device, precision)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def autocast(name: str, device: torch.device, precision: str):
+    """bf16 for the trainers without a mixed-precision setting of their own (plain, ddp): torch.autocast."""
+    if precision == "bf16" and name in ("plain", "ddp"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def step(name: str, model, opt, x, y, device: torch.device = CPU, precision: str = "fp32") -> None:
+    """One training step: zero_grad, forward (under :func:`autocast`), backward, the optimizer's step."""
     opt.zero_grad(set_to_none=True)
-    model(x, y).backward()
+    with autocast(name, device, precision):
+        loss = model(x, y)
+    loss.backward()
     opt.step()
 
 
-def _timed_step(model, opt, x, y) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one step, each the max over ranks."""
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    _step(model, opt, x, y)
-    elapsed = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed[0].item(), elapsed[1].item()
+def time_trainers(names: list[str], model: torch.nn.Module, batches: list, warmup: int, steps: int,
+                  device: torch.device = CPU, precision: str = "fp32", say=None) -> harness.Timings:
+    """Every trainer built side by side (each from a copy of ``model``), then timed in turns (the bench harness):
+    one round is one :func:`step` of each, on the round's batch (``batches[i % len(batches)]``: the same data)."""
+    def one_step(name, model, opt):
+        feed = itertools.cycle(batches)
+        return lambda: step(name, model, opt, *next(feed), device, precision)
+
+    trainers = {name: build(name, copy.deepcopy(model), device, precision) for name in names}
+    if say is not None:
+        say(f"built {', '.join(names)}; warm-up ({warmup} step(s) each) ...")
+    return harness.interleave({name: one_step(name, *trainers[name]) for name in names}, steps, warmup, device, say)
 
 
 def bench_rank(config: str, names: list[str], batch_size: int, warmup: int, steps: int) -> dict:
-    """One rank: build every trainer, time them in turns."""
+    """One rank: build every trainer, time them in turns (the bench harness)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    say = (lambda msg: print(f"  [N={world}] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
-    cfg = CONFIGS[config]()
-    corpus = CharCorpus()
-    models, opts = {}, {}
-    for name in names:
-        models[name] = _wrap(name, TinyGPT(cfg, seed=0))
-        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
-    say(f"built {', '.join(names)}; warm-up ({warmup} step(s) each) ...")
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(warmup + steps):
-        x, y = corpus.batch(i, batch_size, cfg.block_size, rank, world)
-        order = names[i % len(names):] + names[: i % len(names)]  # rotate: nobody is always first
-        for name in order:
-            seconds, cpu_seconds = _timed_step(models[name], opts[name], x, y)
-            if i >= warmup:
-                times[name].append(seconds)
-                cpu[name].append(cpu_seconds)
-        if i >= warmup:
-            say(f"step {i - warmup + 1}/{steps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in names))
-        else:
-            say(f"warm-up step {i + 1}/{warmup} done")
-    return {"times": times, "cpu": cpu}
+    cfg, corpus = CONFIGS[config](), CharCorpus()
+    batches = [corpus.batch(i, batch_size, cfg.block_size, rank, world) for i in range(warmup + steps)]
+    timings = time_trainers(names, TinyGPT(cfg, seed=0), batches, warmup, steps, say=harness.say_on_rank0(f"N={world}"))
+    return {"times": timings.wall, "cpu": timings.cpu}
 
 
 def memory_rank(config: str, names: list[str], batch_size: int) -> dict:
@@ -186,27 +205,12 @@ def memory_rank(config: str, names: list[str], batch_size: int) -> dict:
     # First, one step of every trainer on the tiny GPT, one of them tracked: the first use of a kernel pages
     # its code in from libtorch, tens of MB of RSS that would otherwise land on the first trainer measured.
     for i, name in enumerate(names):
-        model = _wrap(name, TinyGPT(tiny, seed=0))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = build(name, TinyGPT(tiny, seed=0))
         with MemoryTracker(model, opt) if i == 0 else contextlib.nullcontext():
-            _step(model, opt, *corpus.batch(0, 1, tiny.block_size, rank, world))
+            step(name, model, opt, *corpus.batch(0, 1, tiny.block_size, rank, world))
         del model, opt
     batch = corpus.batch(0, batch_size, cfg.block_size, rank, world)
     return {name: _memory_alone(name, cfg, batch) for name in names}
-
-
-def _spawn_with_env(env: dict[str, str], *args, **kwargs) -> list:
-    """``spawn`` with ``env`` added to the ranks' environment (they copy it when they start)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return spawn(*args, **kwargs)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
 
 
 def _ring_workspace_bytes() -> int:
@@ -230,12 +234,11 @@ def _memory_alone(name: str, cfg: GPTConfig, batch) -> dict:
     gc.collect()
     return_freed_memory()
     census_before, rss_before, ws_before = live_tensor_bytes(), rss_bytes(), _ring_workspace_bytes()
-    model = _wrap(name, TinyGPT(cfg, seed=0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    _step(model, opt, *batch)  # lazy init, Adam's state
+    model, opt = build(name, TinyGPT(cfg, seed=0))
+    step(name, model, opt, *batch)  # lazy init, Adam's state
     rest = snapshot(model, opt)
     with MemoryTracker(model, opt) as probe:  # where the peak is (the steps allocate alike from here on)
-        _step(model, opt, *batch)
+        step(name, model, opt, *batch)
     mt = MemoryTracker(model, opt)
 
     def witness():  # RSS first: the census's list of every Python object would otherwise sit in it
@@ -245,7 +248,7 @@ def _memory_alone(name: str, cfg: GPTConfig, batch) -> dict:
 
     mt.on_peak = witness
     with mt:
-        _step(model, opt, *batch)
+        step(name, model, opt, *batch)
     rss_at_peak, census_at_peak = mt.on_peak_result or (None, None)  # None: this step's peak fell short
     rise = lambda after, before: after - before if after is not None else None  # noqa: E731
     # The ring's buffers are made by the first ring collective of the process (the warm-up above) and kept
@@ -276,16 +279,20 @@ def summarize(world: int, results: list[dict], names: list[str]) -> list[dict]:
                      "model_state_bytes": max(r["memory"][name]["model_state_bytes"] for r in results),
                      "at_peak_rank0": results[0]["memory"][name]["at_peak"],
                      "peak_breakdown": peak_breakdown(top)})
-    ref = next((r for r in rows if r["trainer"] == REFERENCE), None)
-    ref2 = next((r for r in rows if r["trainer"] == REFERENCE_FSDP2), None)
+    ratios_to_torch(rows, ("step_s", "cpu_s", "peak_bytes"))
+    best = min((r["peak_bytes"] for r in rows if r["trainer"] in (REFERENCE, REFERENCE_FSDP2)), default=None)
     for r in rows:
-        r["time_ratio"] = r["step_s"] / ref["step_s"] if ref else None
-        r["cpu_ratio"] = r["cpu_s"] / ref["cpu_s"] if ref else None
-        r["peak_ratio"] = r["peak_bytes"] / ref["peak_bytes"] if ref else None
-        r["time_ratio_fsdp2"] = r["step_s"] / ref2["step_s"] if ref2 else None
-        r["peak_ratio_fsdp2"] = r["peak_bytes"] / ref2["peak_bytes"] if ref2 else None
-        r["peak_ratio_best_torch"] = (r["peak_bytes"] / min(x["peak_bytes"] for x in (ref, ref2) if x)
-                                      if ref or ref2 else None)
+        r["peak_ratio_best_torch"] = harness.ratio(r["peak_bytes"], best)
+    return rows
+
+
+def ratios_to_torch(rows: list[dict], keys: tuple[str, ...], same: tuple[str, ...] = ("world_size",)) -> list[dict]:
+    """Each of ``keys`` as a ratio to torch FSDP1's in the same run (``time_ratio``, ``cpu_ratio``,
+    ``peak_ratio``), then step time and peak to torch FSDP2's (``time_ratio_fsdp2``, ``peak_ratio_fsdp2``)."""
+    out = {"step_s": "time_ratio", "cpu_s": "cpu_ratio", "peak_bytes": "peak_ratio"}
+    for key, reference, suffix in [(k, REFERENCE, "") for k in keys] + [(k, REFERENCE_FSDP2, "_fsdp2")
+                                                                       for k in ("step_s", "peak_bytes")]:
+        harness.add_ratios(rows, key, out[key] + suffix, reference, same=same)
     return rows
 
 
@@ -304,90 +311,73 @@ def peak_breakdown(memory: dict) -> dict[str, int]:
 
 
 def format_breakdowns(rows: list[dict]) -> str:
-    """Per trainer: its peak by category (MB); then where it differs from FSDP1's peak (same world size)."""
-    lines = ["peak by category (MB; 'made': held outside the model and optimizer since before the step, "
-             "'ring ws': of it, the ring's buffers kept between collectives):"]
-    for r in rows:
-        b = r["peak_breakdown"]
-        parts = [f"{SHORT[c]} {b[c] / 2**20:.2f}" for c in SHORT if b[c]]
-        ws = f" (ring ws {b['ring_ws'] / 2**20:.2f})" if b["ring_ws"] else ""
-        parts.append(f"made {b['made'] / 2**20:.2f}{ws}")
-        lines.append(f"  N={r['world_size']} {r['trainer']:<11} " + " | ".join(parts))
-        ref = next((x for x in rows if x["trainer"] == REFERENCE and x["world_size"] == r["world_size"]), None)
-        if ref is not None and r is not ref:
-            diff = {c: b[c] - ref["peak_breakdown"][c] for c in (*SHORT, "made")}
-            shown = [f"{SHORT.get(c, c)} " + (f"{d / 2**20:+.2f}" if abs(d) >= 2**17 else f"{d / 2**10:+.1f} KiB")
-                     for c, d in diff.items() if abs(d) >= 1024]
-            lines.append(f"  {'':>4} {'':<11}   vs fsdp1: " + (", ".join(shown) if shown else "the same bytes "
-                                                                     "in every category (within 1 KiB)"))
-    return "\n".join(lines)
+    """Per trainer: its peak by category (MB); then the same less torch FSDP1's at its peak (KiB, same world size)."""
+    ref = {r["world_size"]: r["peak_breakdown"] for r in rows if r["trainer"] == REFERENCE}
+    names = [("N", "world_size", ">2"), ("trainer", "trainer", "<11")]
+    heads = {**SHORT, "made": "made", "ring_ws": "ring ws"}
+    mib = [(h, lambda r, c=c: r["peak_breakdown"][c] / 2**20, f">{max(len(h), 6)}.2f") for c, h in heads.items()]
+    kib = [(h, lambda r, c=c: (r["peak_breakdown"][c] - ref[r["world_size"]][c]) / 2**10 if r["world_size"] in ref
+            else None, f">+{max(len(h), 6)}.1f") for c, h in heads.items()]
+    return "\n".join(["peak by category, MB ('made': held outside the model and optimizer since before the step; "
+                      "'ring ws', part of it: the ring's buffers kept between collectives):",
+                      harness.table(rows, names + mib), "the same less torch FSDP1's, KiB:",
+                      harness.table(rows, names + kib)])
 
 
-def time_aim(trainer: str, config: str) -> float:
-    """The step-time ratio to torch FSDP1 that ``trainer`` aims at on ``config`` (at most it on the
-    small config; strictly below it, i.e. ahead of torch, elsewhere)."""
-    return AIMS[trainer] if config == "small" else 1.0
+def _aim(r: dict, config: str) -> str:
+    """The step-time ratio to torch FSDP1 the trainer aims at (at most AIMS' on the small config, strictly
+    below 1, i.e. ahead of torch, elsewhere), and the peak at most torch's best; met or missed."""
+    if r["trainer"] not in AIMS or r["time_ratio"] is None:
+        return ""
+    goal = AIMS[r["trainer"]] if config == "small" else 1.0
+    ok_t = r["time_ratio"] <= goal if goal < 1 else r["time_ratio"] < goal
+    return (f" time {'<=' if goal < 1 else '<'} {goal}x: {'ok' if ok_t else 'MISSED'}; "
+            f"peak <= torch's best: {'ok' if r['peak_ratio_best_torch'] <= 1 else 'MISSED'}")
 
 
 def format_table(rows: list[dict], config: str = "small") -> str:
-    head = (f"{'N':>2} {'trainer':<11} {'step ms':>9} {'x FSDP1':>8} {'x FSDP2':>8} {'cpu ms':>9} {'x FSDP1':>8} "
-            f"{'peak MB':>9} {'x FSDP1':>8} {'x FSDP2':>8} {'census MB':>9} {'RSS+ MB':>8} {'state MB':>9}  aim")
-    lines = [head]
-    for r in rows:
-        aim = ""
-        if r["trainer"] in AIMS and r["time_ratio"] is not None:
-            goal = time_aim(r["trainer"], config)
-            ok_t = r["time_ratio"] <= goal if goal < 1 else r["time_ratio"] < goal
-            ok_m = r["peak_ratio_best_torch"] <= 1
-            aim = (f"time {'<=' if goal < 1 else '<'} {goal}x: {'ok' if ok_t else 'MISSED'}; "
-                   f"peak <= torch's best: {'ok' if ok_m else 'MISSED'}")
-        ratio = lambda v: f"{v:>8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
-        mb = lambda v, w: f"{v / 2**20:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
-        lines.append(f"{r['world_size']:>2} {r['trainer']:<11} {r['step_s'] * 1e3:>9.1f} {ratio(r['time_ratio'])} "
-                     f"{ratio(r.get('time_ratio_fsdp2'))} {r['cpu_s'] * 1e3:>9.1f} {ratio(r['cpu_ratio'])} "
-                     f"{r['peak_bytes'] / 2**20:>9.2f} {ratio(r['peak_ratio'])} {ratio(r.get('peak_ratio_fsdp2'))} "
-                     f"{mb(r['census_bytes'], 9)} {mb(r['rss_bytes'], 8)} "
-                     f"{r['model_state_bytes'] / 2**20:>9.2f}  {aim}")
-    return "\n".join(lines)
+    """Per trainer: step time (median; spread = (max - min) / median of the rounds), CPU time, peak and its
+    witnesses, each with its ratios to torch FSDP1 and FSDP2; the aim where the trainer has one."""
+    ms, mib = (lambda key: harness.scaled(key, 1e3)), (lambda key: harness.scaled(key, 2**-20))
+    return harness.table(rows, [
+        ("N", "world_size", ">2"), ("trainer", "trainer", "<11"), ("step ms", ms("step_s"), ">9.1f"),
+        ("spread", lambda r: harness.spread(r["step_times_s"]), ">6.0%"), ("x FSDP1", "time_ratio", ">8.3f"),
+        ("x FSDP2", "time_ratio_fsdp2", ">8.3f"), ("cpu ms", ms("cpu_s"), ">9.1f"), ("x FSDP1", "cpu_ratio", ">8.3f"),
+        ("peak MB", mib("peak_bytes"), ">9.2f"), ("x FSDP1", "peak_ratio", ">8.3f"),
+        ("x FSDP2", "peak_ratio_fsdp2", ">8.3f"), ("census MB", mib("census_bytes"), ">9.2f"),
+        ("RSS+ MB", mib("rss_bytes"), ">8.2f"), ("state MB", mib("model_state_bytes"), ">9.2f"),
+        ("aim", lambda r: _aim(r, config), "")])
 
 
 def run_fsdp_bench(args) -> int:
     """Entry point (args: world_sizes, steps, warmup, batch_size, config, trainers, json)."""
-    world_sizes = [int(w) for w in str(args.world_sizes).split(",") if w.strip()]
-    if not world_sizes or any(w < 2 for w in world_sizes):
-        raise SystemExit(f"--world-sizes must list sizes >= 2, e.g. 2,4; got {args.world_sizes!r}")
+    sizes = harness.world_sizes(args.world_sizes)
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         raise SystemExit("--steps and --batch-size must be >= 1 and --warmup >= 0")
-    names = [n.strip() for n in str(args.trainers).split(",") if n.strip()]
-    unknown = [n for n in names if n not in TRAINERS]
-    if unknown or not names:
-        raise SystemExit(f"--trainers: unknown {unknown}; choose from {','.join(TRAINERS)}")
+    names = harness.choose(args.trainers, TRAINERS, "--trainers")
     if args.config not in CONFIGS:
         raise SystemExit(f"--config must be one of {sorted(CONFIGS)}, got {args.config!r}")
     cfg = CONFIGS[args.config]()
     n_params = sum(p.numel() for p in TinyGPT(cfg, seed=0).parameters())
-    print(f"minifsdp bench fsdp: TinyGPT {args.config} ({n_params / 1e6:.2f}M parameters, {cfg.n_layer} blocks, "
-          f"each its own unit), AdamW, batch {args.batch_size} x {cfg.block_size} tokens per rank, "
-          f"{args.warmup} warm-up + {args.steps} timed steps; trainers {', '.join(names)}", flush=True)
-    rows, started = [], time.perf_counter()
-    for n in world_sizes:
+    run = harness.BenchRun(f"minifsdp bench fsdp: TinyGPT {args.config} ({n_params / 1e6:.2f}M parameters, "
+                           f"{cfg.n_layer} blocks, each its own unit), AdamW, batch {args.batch_size} x "
+                           f"{cfg.block_size} tokens per rank, {args.warmup} warm-up + {args.steps} timed steps; "
+                           f"trainers {', '.join(names)}")
+    rows = []
+    for n in sizes:
         print(f"world size {n}: one spawn, {len(names)} trainers; then one more for memory, each alone ...",
               flush=True)
-        results = spawn(bench_rank, args=(args.config, names, args.batch_size, args.warmup, args.steps),
-                        world_size=n, timeout_s=3600, threads_per_rank=1)
-        memory = _spawn_with_env(MALLOC_ENV, memory_rank, args=(args.config, names, args.batch_size),
-                                 world_size=n, timeout_s=3600, threads_per_rank=1)
+        results = harness.run_ranks(bench_rank, (args.config, names, args.batch_size, args.warmup, args.steps), n)
+        memory = harness.run_ranks(memory_rank, (args.config, names, args.batch_size), n, env=MALLOC_ENV)
         rows += summarize(n, [{**r, "memory": m} for r, m in zip(results, memory)], names)
     print(format_table(rows, args.config))
     print(format_breakdowns(rows))
-    print(f"({time.perf_counter() - started:.0f} s; ratios are to torch FSDP1 (and FSDP2) in the same run: "
-          f"below 1 is faster / smaller; load average {load_average():.1f} on {os.cpu_count()} CPUs: "
-          "other work makes times noisy)")
+    run.close("ratios are to torch FSDP1 (and FSDP2) in the same run: below 1 is faster / smaller")
     print("(peak: MemoryTracker; census: live tensors counted at the same moment; RSS+: the process's resident "
           "memory growth to that moment; all three over the moment before the trainer was built, each alone)")
     if args.json:
-        write_bench_json(args.json, rows, threads_per_rank=1, config=args.config, n_params=n_params,
-                         batch_size=args.batch_size, block_size=cfg.block_size, warmup=args.warmup,
-                         steps=args.steps, reference=REFERENCE)
+        harness.save_rows(args.json, rows, threads_per_rank=1, config=args.config, n_params=n_params,
+                          batch_size=args.batch_size, block_size=cfg.block_size, warmup=args.warmup,
+                          steps=args.steps, reference=REFERENCE)
         print(f"wrote {args.json}")
     return 0

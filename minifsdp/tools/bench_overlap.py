@@ -8,8 +8,8 @@ overlap: for each prefetch setting (none, BACKWARD_PRE, BACKWARD_POST, forward+B
 precision: fp32, bf16 and fp16 MixedPrecision, and activation checkpointing (each on our FSDP and
     on torch FSDP1): step time and peak memory split into parameters / gradients / activations.
 
-Timing: the settings take turns step by step (round-robin after one warm-up step each), so a
-noisy minute hits all of them alike; median step time, max over ranks.  Threads: ``--threads``
+Timing: after one warm-up step each, one round of the bench harness (:mod:`minifsdp.tools.
+bench_harness`: turns, each time the slowest rank's, the median) is one step of each setting.  Threads: ``--threads``
 intra-op threads per rank (gloo's own threads come on top of these).
 
 Measured (2026-12-02, 2 ranks on a 2-core AVX512-BF16 CPU shared with other jobs, load 6-14;
@@ -35,7 +35,7 @@ Note: the numbers are for this machine; the same command runs on a GPU box uncha
 
 from __future__ import annotations
 
-import json
+import itertools
 import os
 import statistics
 import time
@@ -43,98 +43,46 @@ import time
 import torch
 import torch.distributed as dist
 
-from minifsdp.fsdp.core.units import units_with_params
-from minifsdp.launch import spawn
+from minifsdp.comm.collectives import TorchCollectives
+from minifsdp.memory.tracker import MemoryTracker, without_resident
+from minifsdp.models import Block, CharCorpus, TinyGPT
+from minifsdp.tools import bench_harness as harness
+from minifsdp.tools.bench_fsdp import CONFIGS, FSDP1, fsdp1
+from minifsdp.tools.step_costs import PREFETCH as SETTINGS
+from minifsdp.tools.tracing import Tracer
 
 __all__ = ["run_bench", "overlap_worker", "precision_worker"]
 
-SETTINGS = {"none": (None, False), "BACKWARD_PRE": ("BACKWARD_PRE", False),
-            "BACKWARD_POST": ("BACKWARD_POST", False), "forward+BACKWARD_PRE": ("BACKWARD_PRE", True)}
-
-
-def _config(name):
-    from minifsdp.models import GPTConfig
-
-    return {"tiny": GPTConfig.tiny, "small": GPTConfig.small, "bench": GPTConfig.bench}[name]()
-
-
 def _build(torch_side: bool, cfg, setting=None, limit=True, mp=None, ac=False):
-    from functools import partial
-
-    from minifsdp.models import Block, TinyGPT
-
-    bp, fwd = SETTINGS[setting or "none"]
-    if torch_side:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl,
-            apply_activation_checkpointing,
-            checkpoint_wrapper,
-        )
-        from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision
-        from torch.distributed.fsdp import FullyShardedDataParallel as TFSDP
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        model = TFSDP(TinyGPT(cfg, seed=0), auto_wrap_policy=partial(transformer_auto_wrap_policy,
-                                                                      transformer_layer_cls={Block}),
-                      backward_prefetch=BackwardPrefetch[bp] if bp else None, forward_prefetch=fwd,
-                      limit_all_gathers=limit, device_id=torch.device("cpu"),
-                      mixed_precision=MixedPrecision(param_dtype=mp, reduce_dtype=mp) if mp else None)
-        if ac:
-            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block), checkpoint_wrapper_fn=
-                                           partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-        return model
-    from minifsdp.fsdp.activation_checkpointing import apply_activation_checkpointing
-    from minifsdp.fsdp.core.mixed_precision import MixedPrecision
-    from minifsdp.fsdp.core.prefetch import BackwardPrefetch
-    from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
-    from minifsdp.fsdp.fully_sharded import FSDP
-    model = FSDP(TinyGPT(cfg, seed=0), auto_wrap_policy=partial(transformer_auto_wrap_policy,
-                                                                 transformer_layer_cls={Block}),
-                 backward_prefetch=BackwardPrefetch[bp] if bp else None, forward_prefetch=fwd,
-                 limit_all_gathers=limit,
-                 mixed_precision=MixedPrecision(param_dtype=mp, reduce_dtype=mp) if mp else None)
+    """A TinyGPT (seed 0) under torch FSDP1 or ours, each Block a unit, with the prefetch ``setting``,
+    ``limit_all_gathers``, MixedPrecision(``mp``, ``mp``) and activation checkpointing of each Block (``ac``)."""
+    side, (bp, fwd) = "torch" if torch_side else "ours", SETTINGS[setting or "none"]
+    api = FSDP1[side]
+    model = fsdp1(side, TinyGPT(cfg, seed=0), forward_prefetch=fwd, limit_all_gathers=limit,
+                  backward_prefetch=api.BackwardPrefetch[bp] if bp else None,
+                  mixed_precision=api.MixedPrecision(param_dtype=mp, reduce_dtype=mp) if mp else None,
+                  **({"device_id": torch.device("cpu")} if torch_side else {}))
     if ac:
-        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        api.checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     return model
 
 
 def _step_fn(model, batch_size, cfg):
-    from minifsdp.models import CharCorpus
-
     corpus, rank, world = CharCorpus(), dist.get_rank(), dist.get_world_size()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = {"i": 0}
+    opt, batches = torch.optim.AdamW(model.parameters(), lr=1e-3), itertools.count()
 
     def step():
-        x, y = corpus.batch(state["i"], batch_size, cfg.block_size, rank, world)
-        x, y = x.remainder(cfg.vocab_size), y.remainder(cfg.vocab_size)
-        state["i"] += 1
-        loss = model(x, y)
-        loss.backward()
+        x, y = corpus.batch(next(batches), batch_size, cfg.block_size, rank, world)
+        model(x.remainder(cfg.vocab_size), y.remainder(cfg.vocab_size)).backward()
         opt.step()
         opt.zero_grad()
     return step, opt
 
 
 def _peak(model, opt, step) -> dict:
-    from minifsdp.memory.tracker import MemoryTracker, without_resident
-
     with MemoryTracker(model, opt) as mt:
         step()
     return without_resident(mt.breakdown_at_peak)  # the other settings' models are alive too
-
-
-def _timed(entries: dict, steps: int) -> dict:
-    """Round-robin timing of several step functions; returns {name: median seconds (max over ranks)}."""
-    times = {k: [] for k in entries}
-    for _ in range(steps):
-        for name, step in entries.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[name].append(dt.item())
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 class _LinkDelayedWork:
@@ -155,48 +103,41 @@ class _LinkDelayedWork:
         return True
 
 
-class LinkDelayedComm:
-    """FSDP's collectives (``minifsdp.comm.get_collectives``) with ``delay_s`` of simulated wire time on each."""
-
-    def __init__(self, comm, delay_s: float):
-        self.comm, self.delay_s = comm, delay_s
-
-    def all_gather(self, out, inp, group=None, async_op: bool = False):
-        return _LinkDelayedWork(self.comm.all_gather(out, inp, group=group, async_op=async_op), self.delay_s)
-
-    def reduce_scatter(self, out, inp, op="sum", group=None, async_op: bool = False):
-        return _LinkDelayedWork(self.comm.reduce_scatter(out, inp, op=op, group=group, async_op=async_op),
-                                self.delay_s)
-
-    def all_reduce(self, t, op="sum", group=None, async_op: bool = False):
-        return _LinkDelayedWork(self.comm.all_reduce(t, op=op, group=group, async_op=async_op), self.delay_s)
+def delay_links(delay_s: float) -> None:
+    """In this process, every collective of ours on torch.distributed (``collectives="torch"``, FSDP's default:
+    :class:`minifsdp.comm.TorchCollectives`) on a simulated link of ``delay_s`` wire time each.  Torch FSDP1
+    does not use these methods: only ours is delayed (and a rank of a bench run is a process of its own)."""
+    for name in ("all_gather", "reduce_scatter", "all_reduce"):
+        collective = getattr(TorchCollectives, name)
+        setattr(TorchCollectives, name, lambda self, *args, _collective=collective, **kwargs:
+                _LinkDelayedWork(_collective(self, *args, **kwargs), delay_s))
 
 
 def overlap_worker(config: str, steps: int, batch_size: int, link_ms: float = 0.0) -> dict:
-    """``link_ms > 0``: ours only, every collective on a simulated link of that wire time (LinkDelayedComm)."""
-    from minifsdp.tools.tracing import Tracer
-
-    cfg = _config(config)
+    """``link_ms > 0``: ours only, every collective on a simulated link of that wire time (:func:`delay_links`)."""
+    cfg = CONFIGS[config]()
     models, steps_fns, out = {}, {}, {}
     sides = ("ours",) if link_ms > 0 else ("ours", "torch")
+    if link_ms > 0:
+        delay_links(link_ms / 1e3)
     for setting in SETTINGS:
         for side in sides:
             models[(side, setting)] = _build(side == "torch", cfg, setting)
-            if side == "ours" and link_ms > 0:
-                for unit in units_with_params(models[(side, setting)]):
-                    unit.comm = unit._handle.comm = LinkDelayedComm(unit._handle.comm, link_ms / 1e3)
             steps_fns[(side, setting)], _ = _step_fn(models[(side, setting)], batch_size, cfg)
             steps_fns[(side, setting)]()  # warm-up (records the execution order)
-    out["step_s"] = {f"{s}/{k}": v for (s, k), v in _timed(steps_fns, steps).items()}
-    block_numel = sum(p.numel() for p in _build(False, cfg).module.blocks[0].parameters()) * dist.get_world_size()
-    out["allgather_cpu"] = comm_cpu_share(block_numel)
-    per_step = {s: [] for s in SETTINGS}  # exposed communication, ours: median over steps, settings interleaved
-    for _ in range(steps):
-        for setting in SETTINGS:
-            dist.barrier()
+    timings = harness.interleave(steps_fns, steps)  # the settings and sides in turns
+    out["step_s"] = {f"{s}/{k}": timings.median((s, k)) for s, k in steps_fns}
+    out["allgather_cpu"] = comm_cpu_share(sum(p.numel() for p in Block(cfg).parameters()) * dist.get_world_size())
+    per_step = {s: [] for s in SETTINGS}  # exposed communication, ours: median over steps, settings in turns
+
+    def traced(setting):
+        def step():
             with Tracer(models[("ours", setting)]) as tr:
                 steps_fns[("ours", setting)]()
             per_step[setting].append(tr.exposed_seconds())
+        return step
+
+    harness.interleave({setting: traced(setting) for setting in SETTINGS}, steps)
     out["exposed_s"] = {s: {c: statistics.median(e[c] for e in v) for c in v[0]} for s, v in per_step.items()}
     for setting in SETTINGS:  # peak memory of each setting, with and without limit_all_gathers
         for limit in (True, False):
@@ -226,7 +167,7 @@ def comm_cpu_share(numel: int, repeats: int = 20) -> dict:
 
 
 def precision_worker(config: str, steps: int, batch_size: int) -> dict:
-    cfg = _config(config)
+    cfg = CONFIGS[config]()
     variants = {"fp32": {}, "bf16": dict(mp=torch.bfloat16), "fp16": dict(mp=torch.float16),
                 "fp32+ckpt": dict(ac=True), "bf16+ckpt": dict(mp=torch.bfloat16, ac=True)}
     fns, out = {}, {"peak": {}}
@@ -237,20 +178,24 @@ def precision_worker(config: str, steps: int, batch_size: int) -> dict:
             step()
             out["peak"][f"{side}/{name}"] = _peak(model, opt, step)
             fns[f"{side}/{name}"] = step
-    out["step_s"] = _timed(fns, steps)
+    timings = harness.interleave(fns, steps)  # the variants and sides in turns
+    out["step_s"] = {name: timings.median(name) for name in fns}
     return out
 
 
 def _ratio(a, b):
-    return round(a / b, 3) if b else None
+    r = harness.ratio(a, b)
+    return round(r, 3) if r is not None else None
 
 
 def _run(kind: str, args) -> int:
     worker = overlap_worker if kind == "overlap" else precision_worker
     extra = (args.link_ms,) if kind == "overlap" else ()
-    t0 = time.time()
-    res = spawn(worker, args=(args.config, args.steps, args.batch_size) + extra, world_size=args.world_size,
-                threads_per_rank=args.threads, timeout_s=1800)
+    run = harness.BenchRun(f"minifsdp bench {kind}: TinyGPT {args.config}, {args.world_size} ranks, batch "
+                           f"{args.batch_size}, {args.steps} timed steps each, ours against torch FSDP1"
+                           + (f", {args.link_ms} ms simulated link (ours only)" if args.link_ms else ""))
+    res = harness.run_ranks(worker, (args.config, args.steps, args.batch_size) + extra, args.world_size,
+                            threads=args.threads, timeout_s=1800)
     r0 = res[0]
     summary = {"config": args.config, "world_size": args.world_size, "threads_per_rank": args.threads,
                "link_ms": getattr(args, "link_ms", 0.0),
@@ -278,18 +223,32 @@ def _run(kind: str, args) -> int:
                         activations=_ratio(p[f"{side}/{n}"]["activations"], p[f"{side}/fp32"]["activations"]),
                         step_time=_ratio(st[f"{side}/{n}"], st[f"{side}/fp32"]))
                 for n in names}
-    summary["wall_s"] = round(time.time() - t0, 1)
-    text = json.dumps(summary, indent=1, default=str)
-    print(text)
+    summary["wall_s"] = round(time.perf_counter() - run.started, 1)
+    summary["load_average_1min"] = harness.load_average()
+    print(format_table(kind, summary, names))
+    run.close("ratios in one run: below 1 is faster / smaller")
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            f.write(text)
+        harness.save_json(args.json, summary)
+        print(f"wrote {args.json}")
     return 0
+
+
+def format_table(kind: str, summary: dict, names: list[str]) -> str:
+    """One line per setting: ours against torch FSDP1 (step time, peak), and each against its baseline."""
+    peak = summary.get("ours_over_torch_peak", {})
+    columns = {"ours/torch step": summary.get("ours_over_torch_step_time", {}),
+               "ours/torch peak": {n: peak.get(f"{n},limit=True", peak.get(n)) for n in names if peak},
+               "exposed/none": summary.get("exposed_over_none", {})}
+    columns.update({f"{side} step/none": v for side, v in summary.get("step_time_over_none", {}).items()})
+    for side, by in summary.get("vs_fp32", {}).items():
+        columns.update({f"{side} {k.split('_')[0][:5]}/fp32": {n: by[n][k] for n in names} for k in by[names[0]]})
+    columns = {h: c for h, c in columns.items() if c}  # what this bench measured
+    rows = [{kind: n, **{h: c.get(n) for h, c in columns.items()}} for n in names]
+    return harness.table(rows, [(kind, kind, "<21")] + [(h, h, f">{len(h)}.3f") for h in columns])
 
 
 def run_bench(args) -> int:
     """``bench overlap`` / ``bench precision`` (cli.py): world size = the first of ``--world-sizes``."""
-    args.world_size = int(str(args.world_sizes).split(",")[0])
+    args.world_size = harness.world_sizes(args.world_sizes)[0]
     args.link_ms = getattr(args, "link_ms", 0.0) or 0.0
     return _run(args.what, args)

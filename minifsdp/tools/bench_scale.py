@@ -45,23 +45,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
-import json
 import resource
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from minifsdp.fsdp import FSDP
-from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.fsdp.deferred_init import tinygpt_param_init_fn
-from minifsdp.launch import RankFailedError, spawn
+from minifsdp.launch import RankFailedError
 from minifsdp.models import Block, GPTConfig, TinyGPT
+from minifsdp.tools import bench_harness as harness
+from minifsdp.tools.bench_fsdp import fsdp1
 
 __all__ = ["run_scale_bench", "trial", "params_of", "largest"]
 
@@ -93,12 +88,8 @@ def _build(trainer: str, cfg: GPTConfig):
         return DDP(TinyGPT(cfg, seed=0), gradient_as_bucket_view=True)
     with torch.device("meta"):
         model = TinyGPT(cfg, seed=0)
-    init, cpu = tinygpt_param_init_fn(model, seed=0), torch.device("cpu")
-    if trainer == "ours":
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-        return FSDP(model, auto_wrap_policy=policy, param_init_fn=init, device_id=cpu)
-    policy = functools.partial(torch_policy, transformer_layer_cls={Block})
-    return TorchFSDP(model, auto_wrap_policy=policy, param_init_fn=init, device_id=cpu, use_orig_params=False)
+    return fsdp1("ours" if trainer == "ours" else "torch", model, param_init_fn=tinygpt_param_init_fn(model, seed=0),
+                 device_id=torch.device("cpu"))
 
 
 def _malloc_returns_freed_memory() -> None:
@@ -142,7 +133,7 @@ def trial(trainer: str, n_layer: int, width: int, mem_limit: int, batch: int = 1
 
 def _fits(trainer, n_layer, width, mem_limit, world_size, timeout_s) -> tuple[bool, int]:
     try:
-        out = spawn(trial, (trainer, n_layer, width, mem_limit), world_size=world_size, timeout_s=timeout_s)
+        out = harness.run_ranks(trial, (trainer, n_layer, width, mem_limit), world_size, timeout_s=timeout_s)
     except RankFailedError as e:
         if any(s in str(e) for s in _OOM_SIGNS) or "signal" in str(e):
             return False, 0
@@ -190,18 +181,13 @@ def predicted_params(row: dict) -> int | None:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'trainer':>8} {'N':>3} {'limit MiB':>9} {'blocks':>6} {'largest params':>15} {'peak MiB':>9} " \
-           f"{'ZeRO predicts':>14} {'x DDP':>6}"
     ddp = {r["world_size"]: r["largest_params"] for r in rows if r["trainer"] == "ddp"}
-    lines = [head]
-    for r in rows:
-        pred = r.get("predicted_params")
-        base = ddp.get(r["world_size"])
-        lines.append(f"{r['trainer']:>8} {r['world_size']:>3} {r['mem_limit_bytes'] / 2**20:>9.0f} "
-                     f"{r['largest_layers']:>6} {r['largest_params']:>15,} "
-                     f"{(r['peak_bytes'] or 0) / 2**20:>9.1f} {f'{pred:,}' if pred is not None else '-':>14} "
-                     f"{(r['largest_params'] / base) if base else float('nan'):>6.2f}")
-    return "\n".join(lines)
+    return harness.table(rows, [
+        ("trainer", "trainer", ">8"), ("N", "world_size", ">3"),
+        ("limit MiB", harness.scaled("mem_limit_bytes", 2**-20), ">9.0f"), ("blocks", "largest_layers", ">6"),
+        ("largest params", "largest_params", ">15,"), ("peak MiB", lambda r: (r["peak_bytes"] or 0) / 2**20, ">9.1f"),
+        ("ZeRO predicts", "predicted_params", ">14,"),
+        ("x DDP", lambda r: harness.ratio(r["largest_params"], ddp.get(r["world_size"])), ">6.2f")])
 
 
 def run_scale_bench(args) -> int:
@@ -212,6 +198,9 @@ def run_scale_bench(args) -> int:
     if not trainers or "ours_torch" in str(args.trainers):  # the fsdp bench's default list: use ours
         trainers = ["ddp", "ours", "fsdp1"]
     mem_limit = int(args.mem_limit_mb * 2**20)
+    run = harness.BenchRun(f"minifsdp bench scale: the deepest TinyGPT of width {args.width} that takes one AdamW "
+                           f"step in {args.mem_limit_mb:g} MiB per rank; {', '.join(trainers)} at "
+                           f"{', '.join(map(str, world_sizes))} ranks")
     rows = []
     with tqdm(desc="bench scale (trials)", file=sys.stderr) as bar:
         for n in world_sizes:
@@ -220,8 +209,8 @@ def run_scale_bench(args) -> int:
                 row["predicted_params"] = predicted_params(row)
                 rows.append(row)
     print(format_table(rows))
+    run.close("x DDP: the largest model over DDP's at the same world size")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        harness.save_json(args.json, [dict(r, load_average_1min=harness.load_average()) for r in rows])
         print(f"wrote {args.json}")
     return 0

@@ -1,4 +1,5 @@
-"""The command line: ``python -m minifsdp compare``, ``train``, ``generate``, ``bench ...`` and ``torch-suite``."""
+"""The command line: ``python -m minifsdp compare``, ``train``, ``generate``, ``bench``, ``plan``, ``torch-suite``,
+``course``."""
 
 from __future__ import annotations
 
@@ -85,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--link-ms", type=float, default=0.0,
                          help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
 
+    p_plan = sub.add_parser("plan", help="will it fit: memory, bytes and time per GPU at real scale, before a run")
+    from minifsdp.tools.plan_cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(p_plan)
+
     p_ts = sub.add_parser("torch-suite", help="run the ports of torch's FSDP1 and FSDP2 tests, a table per group")
     p_ts.add_argument("--suite", choices=("fsdp1", "fsdp2", "all"), default="all",
                       help="fsdp1: FullyShardedDataParallel's port; fsdp2: fully_shard's; default both")
@@ -92,7 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     p_ts.add_argument("--fast", action="store_true", help="only the CI slice (cases marked fast)")
     p_ts.add_argument("--json", default="out/torch_suite.json", help="where to write the results ('' for none)")
 
+    # course: run a class (the student edition, the grader with points, the find-the-bug lab)
+    p_course = sub.add_parser("course", help="run a class: the student edition, the grader, the find-the-bug lab")
+    from minifsdp.tools.course import add_arguments as add_course_arguments
+
+    add_course_arguments(p_course)
+
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from minifsdp.tools.plan_cli import run_plan
+
+        return run_plan(args)
+
+    if args.command == "course":
+        from minifsdp.tools.course import run_course
+
+        return run_course(args)
     if args.command == "torch-suite":
         from minifsdp.tools.torch_suite import run_torch_suite
 
@@ -138,32 +159,17 @@ def _run(parser, args) -> int:
         if args.device != "cpu" or args.precision is not None:
             raise DeviceError(f"bench {args.what}: --device cuda and --precision are for bench fsdp --device cuda; "
                               f"bench {args.what} runs on the CPU (drop them)")
-        defaults = {"world_sizes": "2,4", "config": "bench",
-                    "trainers": "ours_torch,ours_ring,fsdp1,fsdp2,ours_fsdp2,ddp"}
+        fsdp = args.what == "fsdp"
+        defaults = {"world_sizes": "2,4", "config": "bench", "json": f"out/bench_{args.what}.json",
+                    "trainers": "ours_torch,ours_ring,fsdp1,fsdp2,ours_fsdp2,ddp", "steps": 8 if fsdp else 5,
+                    "warmup": 1 if fsdp else 2, "batch_size": 2 if fsdp else 8}
         for name, value in defaults.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
-        if args.json is None:
-            args.json = f"out/bench_{args.what}.json"
-        defaults = {"steps": 8, "warmup": 1, "batch_size": 2} if args.what == "fsdp" else \
-            {"steps": 5, "warmup": 2, "batch_size": 8}
-        for name, value in defaults.items():
-            if getattr(args, name) is None:
-                setattr(args, name, value)
-        if args.what == "collectives":
-            from minifsdp.tools.bench import run_collectives_bench
+        from minifsdp.tools import bench, bench_fsdp, bench_overlap, bench_scale
 
-            return run_collectives_bench(args)
-        if args.what == "scale":  # trainers: ddp, ours, fsdp1; world size 4 unless given
-            from minifsdp.tools.bench_scale import run_scale_bench
-
-            return run_scale_bench(args)
-        if args.what in ("overlap", "precision"):
-            from minifsdp.tools.bench_overlap import run_bench
-
-            return run_bench(args)
-        from minifsdp.tools.bench_fsdp import run_fsdp_bench
-
-        return run_fsdp_bench(args)
+        return {"collectives": bench.run_collectives_bench, "fsdp": bench_fsdp.run_fsdp_bench,
+                "overlap": bench_overlap.run_bench, "precision": bench_overlap.run_bench,
+                "scale": bench_scale.run_scale_bench}[args.what](args)  # scale: ddp, ours, fsdp1; 4 ranks unless given
     parser.error(f"unknown command {args.command}")
     return 2

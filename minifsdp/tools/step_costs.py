@@ -27,14 +27,15 @@ on the machine's load, so :func:`step_times` returns the load average with them.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
-import statistics
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from minifsdp.tools.bench_harness import interleave
 
 OURS = ("DDP", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "FULL_SHARD, no prefetch")
 TORCH = ("torch DDP", "torch FULL_SHARD", "torch SHARD_GRAD_OP", "torch NO_SHARD")
@@ -161,19 +162,17 @@ def step_memory(kind: str, timeline: bool = False) -> dict:
 
 def step_times(kinds: tuple[str, ...], steps: int = 5) -> dict:
     """The median time of one training step for each of ``kinds``, the kinds taking turns step by step (so a
-    busy second slows them alike), each step started together on every rank; with the load average."""
+    busy second slows them alike; the bench harness), each step started together on every rank and timed on
+    the slowest; with the load average."""
     loads = [os.getloadavg()]
-    trained = {kind: ready(kind) for kind in kinds}
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for s in range(1, steps + 1):
-        for kind, (model, opt) in trained.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            train_step(model, opt, s)
-            times[kind].append(time.perf_counter() - t0)
+
+    def stepper(model, opt):
+        batches = itertools.count(1)
+        return lambda: train_step(model, opt, next(batches))
+
+    timings = interleave({kind: stepper(*ready(kind)) for kind in kinds}, steps)
     loads.append(os.getloadavg())
-    return {"median_s": {kind: statistics.median(ts) for kind, ts in times.items()}, "load": loads,
-            "cpus": os.cpu_count()}
+    return {"median_s": {kind: timings.median(kind) for kind in kinds}, "load": loads, "cpus": os.cpu_count()}
 
 
 def prefetch_fsdp(setting: str, cfg=None, torch_side: bool = False, limit_all_gathers: bool = True) -> nn.Module:

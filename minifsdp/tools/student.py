@@ -32,6 +32,7 @@ so a wrong ``prefetch_target`` leaves the losses equal: the call-by-call watch c
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -49,7 +50,7 @@ __all__ = ["TASKS", "parse_student", "student_worker", "run_student", "add_stude
 
 # task -> (the exercise module, minifsdp's reference, its functions)
 TASKS = {
-    "2.1a": ("exercises.fsdp_tasks", "exercises.solutions.fsdp_ops", ("flatten_and_shard", "unflatten")),
+    "2.1a": ("exercises.fsdp_tasks", "exercises.solutions.fsdp_tasks", ("flatten_and_shard", "unflatten")),
     "2.2": ("exercises.ring_collectives", "minifsdp.comm.ring",
             ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")),
     "2.5": ("exercises.overlap_tasks", "minifsdp.fsdp.core.prefetch", ("prefetch_target",)),
@@ -71,11 +72,18 @@ def add_student_argument(p) -> None:
                         "minifsdp's own); 'reference' alone: every task from minifsdp")
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is missing
+        return False
+
+
 def parse_student(spec: str | None) -> dict[str, str]:
     """``"2.2,2.5=mypkg.prefetch"`` -> {function name: module}; None: every task from exercises/."""
     items = [s.strip() for s in (spec or ",".join(TASKS)).split(",") if s.strip()]
-    if items == ["reference"]:
-        items = [f"{t}=reference" for t in TASKS]
+    if items == ["reference"]:  # every task whose reference is here (the student edition has no exercises/solutions/)
+        items = [f"{t}=reference" for t, (_, reference, _) in TASKS.items() if _importable(reference)]
     out: dict[str, str] = {}
     for item in items:
         task, _, module = item.partition("=")

@@ -10,8 +10,9 @@ about exercises:
            ring_all_reduce
     2.1a   flatten_and_shard          the handle's local shard               each unit's ``flat_param`` is your
                                       (``flat_param``, before step 1)        shard of the original parameters
-    2.1a   unflatten                  the handle's views of the full buffer  StudentHandle: our handle whose
-                                      (``use_unsharded_views``)              views come from your unflatten
+    2.1a   unflatten                  the unit's views of the full buffer    StudentViews: an extension that
+                                      (``after_unshard``, an extension       points the names at your
+                                      point: core/extension.py)              unflatten's views
     2.5    prefetch_target            the root's ``ExecutionOrder``          StudentOrder: asks your function
                                       (prefetch.py)                          which unit to gather next
 
@@ -41,13 +42,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.comm import ring as our_ring  # the textbook ring, the exercises' reference
+from minifsdp.fsdp.core.extension import Extension
 from minifsdp.fsdp.core.flat_param import unflatten as our_unflatten
 from minifsdp.fsdp.core.prefetch import ExecutionOrder
 from minifsdp.fsdp.core.prefetch import prefetch_target as our_prefetch_target
+from minifsdp.fsdp.core.state import TrainingState
 from minifsdp.fsdp.core.units import clean_name, is_unit, units, units_with_params
-from minifsdp.fsdp.torch_handle import TorchHandle
 
-__all__ = ["FUNCTIONS", "StudentError", "Plug", "StudentComm", "StudentHandle", "StudentOrder", "plug_into"]
+__all__ = ["FUNCTIONS", "StudentError", "Plug", "StudentComm", "StudentViews", "StudentOrder", "plug_into"]
 
 _FSDP = ("exercises/README_fsdp.md", "pytest tests/exercises/test_fsdp_exercises.py --impl=student -k 2.1a")
 _RING = ("exercises/README_ring.md", "pytest tests/exercises/test_ring_exercises.py --impl=student -k ")
@@ -188,19 +190,21 @@ class StudentComm:
         return _Done()
 
 
-class StudentHandle(TorchHandle):
-    """Our handle, except that the views of the full flat buffer come from the student's ``unflatten``.
+class StudentViews(Extension):
+    """In each forward, once our views of the full flat buffer are set, the student's ``unflatten``'s replace them.
 
-    Set on a built handle (``handle.__class__ = StudentHandle``, ``handle.student_plug = plug``);
-    only for ``use_orig_params=False``, the train job's (no alignment gaps, no frozen views).
+    Appended to a built unit's extensions (``core/extension.py``); only for ``use_orig_params=False``, the
+    train job's (no alignment gaps, no frozen views).
     """
 
-    student_plug: Plug
+    def __init__(self, plug: Plug):
+        self.student_plug = plug
 
-    def use_unsharded_views(self, in_forward: bool = False) -> None:
-        super().use_unsharded_views(in_forward)  # ours first (names registered as ours), then replaced
-        plug, slots = self.student_plug, self.layout.slots
-        views = plug.call("unflatten", self.unsharded, [s.shape for s in slots])
+    def after_unshard(self, unit) -> None:
+        if unit.training_state is not TrainingState.FORWARD:
+            return
+        h, plug, slots = unit._handle, self.student_plug, unit._handle.layout.slots
+        views = plug.call("unflatten", h.unsharded, [s.shape for s in slots])
         if not isinstance(views, (list, tuple)) or len(views) != len(slots) \
                 or not all(isinstance(v, torch.Tensor) for v in views):
             raise StudentError(f"unflatten (Task 2.1a) must return a list of {len(slots)} tensors (one per shape), "
@@ -208,16 +212,16 @@ class StudentHandle(TorchHandle):
         bad = [f"{s.fqn} shape {tuple(v.shape)}, want {tuple(s.shape)}" for s, v in zip(slots, views)
                if v.shape != s.shape]
         if bad:
-            raise StudentError(f"unflatten (Task 2.1a) in unit {self.name}: " + "; ".join(bad))
-        ours = our_unflatten(self.unsharded.detach(), self.layout)
+            raise StudentError(f"unflatten (Task 2.1a) in unit {h.name}: " + "; ".join(bad))
+        ours = our_unflatten(h.unsharded.detach(), h.layout)
         for s, v, o in zip(slots, views, ours):
             problem = _differ(v.detach(), o)
-            if problem is None and v.untyped_storage().data_ptr() != self.unsharded.untyped_storage().data_ptr():
+            if problem is None and v.untyped_storage().data_ptr() != h.unsharded.untyped_storage().data_ptr():
                 problem = f"{s.fqn} is a copy, not a view of the flat buffer (FSDP would hold it twice)"
-            plug.note("unflatten", f"unit {self.name}, {s.fqn}: {problem}" if problem else None)
+            plug.note("unflatten", f"unit {h.name}, {s.fqn}: {problem}" if problem else None)
         for s, v in zip(slots, views):
             setattr(s.module, s.name, v)
-        for sh in self.layout.shared:
+        for sh in h.layout.shared:
             setattr(sh.module, sh.name, views[sh.primary])
 
 
@@ -283,10 +287,9 @@ def plug_into(model: nn.Module, twin: nn.Module, plug: Plug, mirror=None) -> Non
         _install_shards(model, twin, plug)
     if "unflatten" in fns:
         for u in units_with_params(model):
-            if u._handle.use_orig_params:
+            if getattr(u, "use_orig_params", False):
                 raise StudentError("--impl student plugs unflatten only with use_orig_params=False")
-            u._handle.__class__ = StudentHandle
-            u._handle.student_plug = plug
+            u._extensions.append(StudentViews(plug))
     if {"ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"} & set(fns):
         comm = StudentComm(plug, mirror)
         for u in units(model):
@@ -294,5 +297,5 @@ def plug_into(model: nn.Module, twin: nn.Module, plug: Plug, mirror=None) -> Non
             if u._handle is not None:
                 u._handle.comm = comm
     if "prefetch_target" in fns:
-        model._init_root()  # what the first forward would do (core/fsdp.py); then its order is ours to replace
+        model._lazy_init()  # what the first forward would do (core/fsdp.py); then its order is ours to replace
         model._root_step.order = StudentOrder(plug)

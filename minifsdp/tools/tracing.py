@@ -15,10 +15,12 @@ Events (times in seconds since the tracer started):
     reduce-scatter wait    span      blocked on it (in the next unit's post-backward, or the root's
                                      final callback for the last unit)
 
-An FSDP unit and its handle report these (``tracer.span``, ``tracer.instant``) only while a
-tracer is attached.  Every span is also a ``torch.profiler.record_function`` range, so the same names
-appear in a ``torch.profiler`` trace next to gloo's own ops
-(:func:`profile_to_chrome_trace`).
+The core knows nothing of tracers.  Attached, a tracer joins every unit as an extension
+(``minifsdp/fsdp/core/extension.py``: the compute spans open at ``after_unshard`` and close at
+``after_reshard``; ``before_unshard`` says whether the next all-gather is a prefetch) and wraps
+the unit's collectives (``handle.comm``), whose calls and waits are the other events.  Every
+span is also a ``torch.profiler.record_function`` range, so the same names appear in a
+``torch.profiler`` trace next to gloo's own ops (:func:`profile_to_chrome_trace`).
 
 Note (exposed communication): a wait span is exactly the time the compute could
 not proceed because of a collective.  An all-gather issued early (prefetch)
@@ -35,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from minifsdp.fsdp.core.extension import Extension
+from minifsdp.fsdp.core.state import TrainingState
 from minifsdp.fsdp.core.units import units
 
 __all__ = ["Tracer", "profile_to_chrome_trace"]
@@ -74,7 +78,14 @@ class Tracer:
 
     def _set(self, tracer) -> None:
         for unit in units(self.model):
-            unit.attach_tracer(tracer)
+            h = unit._handle
+            if tracer is not None and h is not None:
+                h.comm = _TracedComm(h.comm, self, h)
+                unit._extensions.append(_Spans(self, h.comm))
+            elif h is not None:
+                unit._extensions[:] = [e for e in unit._extensions if not (isinstance(e, _Spans) and e.tracer is self)]
+                while isinstance(h.comm, _TracedComm) and h.comm.tracer is self:
+                    h.comm = h.comm.inner
 
     # ------------------------------------------------------------------ record
     def now(self) -> float:
@@ -146,6 +157,68 @@ class Tracer:
                 out.append(dict(base, ph="X", dur=(e.end - e.start) * 1e6))
         with open(path, "w") as f:
             json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
+
+
+class _Spans(Extension):
+    """The compute spans of one unit, at the step's fixed points (``core/extension.py``)."""
+
+    def __init__(self, tracer: Tracer, comm: "_TracedComm"):
+        self.tracer, self.comm = tracer, comm
+
+    def before_unshard(self, unit, prefetch: bool) -> None:
+        self.comm.prefetch = prefetch  # for the all-gather this unshard may issue
+
+    def after_unshard(self, unit) -> None:
+        kind = _KIND.get(unit.training_state)
+        if kind is not None:
+            self.tracer.open(kind, unit._handle.name)
+
+    def after_reshard(self, unit) -> None:
+        kind = {TrainingState.FORWARD: "forward", TrainingState.POST_BACKWARD: "backward"}.get(unit.training_state)
+        if kind is not None:
+            self.tracer.close(kind, unit._handle.name)
+
+
+_KIND = {TrainingState.FORWARD: "forward", TrainingState.PRE_BACKWARD: "backward"}
+
+
+class _TracedWork:
+    def __init__(self, work, tracer: Tracer, kind: str, unit: str):
+        self.work, self.tracer, self.kind, self.unit = work, tracer, kind, unit
+
+    def wait(self):
+        with self.tracer.span(self.kind, self.unit):
+            return self.work.wait()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+class _TracedComm:
+    """A unit's collectives, each call an "issued" instant and each wait a span: its all-gathers, and its
+    gradient's reduction (reduce-scatter, or NO_SHARD's all-reduce in the unit's own group)."""
+
+    def __init__(self, inner, tracer: Tracer, handle):
+        self.inner, self.tracer, self.handle, self.prefetch = inner, tracer, handle, False
+
+    def _traced(self, what: str, collective, *args, **kwargs):
+        extra = {"prefetch": self.prefetch} if what == "all-gather" else {}
+        self.tracer.instant(f"{what} issued", self.handle.name, **extra)
+        return _TracedWork(collective(*args, **kwargs), self.tracer, f"{what} wait", self.handle.name)
+
+    def all_gather(self, *args, **kwargs):
+        return self._traced("all-gather", self.inner.all_gather, *args, **kwargs)
+
+    def reduce_scatter(self, *args, **kwargs):
+        return self._traced("reduce-scatter", self.inner.reduce_scatter, *args, **kwargs)
+
+    def all_reduce(self, *args, group=None, **kwargs):
+        if group is not self.handle.groups.shard:  # (HYBRID's second all-reduce, across replicas: not traced)
+            return self.inner.all_reduce(*args, group=group, **kwargs)
+        return self._traced("reduce-scatter", self.inner.all_reduce, *args, group=group, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def profile_to_chrome_trace(step, path: str, steps: int = 1) -> None:

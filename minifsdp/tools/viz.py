@@ -31,6 +31,7 @@ __all__ = ["ring_states", "plot_ring_steps", "draw_ring_step", "ring_widget", "p
            "save_figure"]
 
 PHASES = ("reduce_scatter", "all_gather")
+SAVE_FIGURES_ENV = "MINIFSDP_SAVE_FIGURES"  # "1": save_figure writes the chapters' figures (else a temporary folder)
 
 
 def _field(record: Any, name: str) -> Any:
@@ -228,21 +229,30 @@ def plot_losses(curves: Mapping[str, Sequence[float]], ax=None, title: str = "tr
 
 
 def save_figure(fig, name: str, root=None):
-    """Save ``fig`` as ``chapters/figures/<name>.png``, the picture a chapter shows; returns the path.
+    """Save ``fig`` as ``<name>.png``; returns the path.  Into ``chapters/figures/`` only when asked.
 
     The chapters show the key plots of their notebooks (``![...](figures/<name>.png)``), so that they read on
-    their own; the notebook that draws a plot saves it there each time it runs.  ``root`` is the repository
-    (default: the first of the working directory and its parents that holds ``chapters/``).  No metadata
-    (software version) is written, so a figure drawn from the same numbers is the same file.
+    their own.  A notebook that draws one calls this each time it runs, and the tests run every notebook: so
+    the committed figure is rewritten only with ``MINIFSDP_SAVE_FIGURES=1`` in the environment (regenerating
+    the figures is a command of its own: ``chapters/README.md``); otherwise the picture goes to a temporary
+    folder and the checkout stays as it was.  ``root`` is the repository (default: the first of the working
+    directory and its parents that holds ``chapters/``).  No metadata (software version) is written, so a
+    figure drawn from the same numbers is the same file.
     """
+    import os
+    import tempfile
     from pathlib import Path
 
-    if root is None:
-        here = Path.cwd().resolve()
-        root = next((p for p in (here, *here.parents) if (p / "chapters").is_dir()), None)
+    if os.environ.get(SAVE_FIGURES_ENV) != "1":
+        folder = Path(tempfile.gettempdir()) / "minifsdp-figures"
+    else:
         if root is None:
-            raise FileNotFoundError(f"no chapters/ folder in {here} or above it; pass root=the repository")
-    path = Path(root) / "chapters" / "figures" / f"{name}.png"
+            here = Path.cwd().resolve()
+            root = next((p for p in (here, *here.parents) if (p / "chapters").is_dir()), None)
+            if root is None:
+                raise FileNotFoundError(f"no chapters/ folder in {here} or above it; pass root=the repository")
+        folder = Path(root) / "chapters" / "figures"
+    path = folder / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
     return path

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.fsdp.core.flat_param import build_layout
-from minifsdp.fsdp2.fully_shard import fsdp_state
-from minifsdp.fsdp2.param import chunk_rows, local_row_range
+from minifsdp.fsdp2.core import fsdp_state
+from minifsdp.fsdp2.core.param import chunk_rows, local_row_range
 
 __all__ = ["record_collectives", "format_collectives", "fsdp2_padding", "fsdp1_padding", "local_shapes",
            "units_of", "plot_layouts"]

@@ -76,7 +76,8 @@ class Mailbox:
                                              f"of {room} B (gloo would abort)")
             else:
                 receive.tensor.view(-1).view(torch.uint8)[: message.numel()].copy_(message)
-            receive.done.set()
+            done, receive = receive.done, None  # let go of the receiver's tensor before it wakes, as gloo does
+            done.set()
 
     def isend(self, tensor: torch.Tensor, dst: int, group: ThreadGroup, tag: int = 0) -> _Sent:
         key = (group.rank, dst, tag)

@@ -1,5 +1,5 @@
-"""Grades tasks 4.3a-b (sharded checkpoint, loaded at another world size): ``--impl=reference``
-checks minifsdp.checkpoint.pieces, ``--impl=student`` the stubs in exercises/checkpoint_tasks.py.
+"""Grades tasks 4.3a-b (sharded checkpoint, loaded at another world size): the module
+``impl_module("checkpoint_tasks", impl)`` gives, the stubs (``--impl=student``) or the instructor's answer.
 
 No process group: each function is one rank's work, so every world size is graded in-process.
 Oracle: built number by number in this file (which parameter and index each flat position
@@ -7,14 +7,11 @@ holds), independent of both implementations; 4.3b is fed the oracle's pieces, no
 the two tasks are graded separately.  Comparisons are bitwise (numbers are only copied).
 """
 
-import importlib
-
 import pytest
 import torch
 
 from minifsdp.models import TinyGPT
-
-MODULES = {"reference": "minifsdp.checkpoint.pieces", "student": "exercises.checkpoint_tasks"}
+from tests.exercises import impl_module
 
 LAYOUTS = {
     "readme": [("w", 6), ("b", 2), ("s", 1)],
@@ -51,7 +48,7 @@ def _shard(params, numels, world, rank):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("task", ["4.3a"])
 def test_task4_3a_save_pieces(impl, task):
-    mod = importlib.import_module(MODULES[impl])
+    mod = impl_module("checkpoint_tasks", impl)
     fails = []
     for lname, numels in LAYOUTS.items():
         params = _params(numels)
@@ -80,7 +77,7 @@ def test_task4_3a_save_pieces(impl, task):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("task", ["4.3b"])
 def test_task4_3b_load_shard_at_another_world_size(impl, task):
-    mod = importlib.import_module(MODULES[impl])
+    mod = impl_module("checkpoint_tasks", impl)
     fails = []
     for lname, numels in LAYOUTS.items():
         params = _params(numels)

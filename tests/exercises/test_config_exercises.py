@@ -1,5 +1,5 @@
-"""Grades tasks 2.5b and 3.1: ``--impl=reference`` checks minifsdp's own solution, ``--impl=student``
-the stubs in exercises/config_tasks.py.  One process, no spawned ranks.
+"""Grades tasks 2.5b and 3.1: the module ``impl_module("config_tasks", impl)`` gives, the stubs in
+exercises/config_tasks.py (``--impl=student``) or the instructor's answer.  One process, no spawned ranks.
 
 Oracles: 2.5b torch FSDP1 itself, constructed with the returned kwargs on TinyGPT in a 1-rank gloo
 group (its units, its ``mixed_precision``, ``backward_prefetch``, the dtype of every flat parameter
@@ -18,14 +18,11 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.models import Block, TinyGPT
+from tests.exercises import impl_module
 
 
 def _fn(impl, name):
-    if impl == "student":
-        return getattr(importlib.import_module("exercises.config_tasks"), name)
-    if name == "consolidate_state_dict":
-        return getattr(importlib.import_module("exercises.solutions.consolidate"), name)
-    return getattr(importlib.import_module("exercises.solutions.corrected_call"), name)
+    return getattr(impl_module("config_tasks", impl), name)
 
 
 @pytest.fixture

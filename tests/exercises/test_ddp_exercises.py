@@ -1,17 +1,16 @@
-"""Grades task 1.1 (DDP bucketing): ``--impl=reference`` checks minifsdp's answer, ``--impl=student`` the stub."""
-
-import importlib
+"""Grades task 1.1 (DDP bucketing): the module ``impl_module("ddp_bucketing", impl)`` gives (the stub, or the
+instructor's answer: minifsdp's own bucketing).  Oracle: buckets worked out by hand, and the rule itself on TinyGPT."""
 
 import pytest
 import torch
 
 from minifsdp.models import TinyGPT
+from tests.exercises import impl_module
 
 
 @pytest.fixture
 def assign_buckets(impl):
-    module = "minifsdp.ddp.buckets" if impl == "reference" else "exercises.ddp_bucketing"
-    return importlib.import_module(module).assign_buckets
+    return impl_module("ddp_bucketing", impl).assign_buckets
 
 
 def _f32(*numels):

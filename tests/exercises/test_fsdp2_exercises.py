@@ -1,48 +1,46 @@
-"""Grades tasks 5.1-5.2: ``--impl=reference`` checks minifsdp's own code, ``--impl=student`` the stubs in
-exercises/fsdp2_tasks.py.  One process, no ranks.
+"""Grades tasks 5.1-5.2: the module ``impl_module("fsdp2_tasks", impl)`` gives, the stubs in
+exercises/fsdp2_tasks.py (``--impl=student``) or the instructor's answer.  One process, no ranks.
 
 Oracles, both used on every case: ``torch.chunk`` (torch FSDP2's documented rule for dim-0 sharding:
 ``torch.chunk(tensor, N, dim=0)[rank]``, empty for ranks past the last chunk) and minifsdp's
 ``FSDPParam`` (the per-parameter sharding that tests/test_fsdp2.py proves bitwise against torch's
-``fully_shard``): its ``padded_local`` / ``sharded_param`` for 5.1, its ``copy_out`` for 5.2.  Bitwise:
+``fully_shard``): its ``padded_local`` / ``sharded_param`` for 5.1, the group's copy-out
+(``AllGatherResult.copy_out``) for 5.2.  Bitwise:
 the tasks only move numbers.
 """
 
-import importlib
 import math
 
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp2.param import FSDPParam
+from minifsdp.fsdp2.core.collectives import AllGatherResult
+from minifsdp.fsdp2.core.param import FSDPParam
+from tests.exercises import impl_module
 
 SHAPES = [torch.Size(s) for s in [(5, 3), (4,), (2, 7), (1, 4), (96, 32), (33,), (7, 2, 3)]]
 WORLD_SIZES = (1, 2, 3, 4)
 
 
 def _param(t: torch.Tensor, rank: int, n: int) -> FSDPParam:
-    return FSDPParam(nn.Parameter(t.clone()), [], None, rank, n, None, None)
+    return FSDPParam(nn.Parameter(t.clone()), [], rank, n)
 
 
-def _reference_shard_rows(t, rank, n):
+def _fsdpparam_rows(t, rank, n):
+    """The oracle from the library: minifsdp's FSDPParam's padded chunk and ``to_local()`` rows."""
     p = _param(t, rank, n)
     return p.padded_local, p.local_tensor
 
 
 def _reference_copy_out(gathered, shapes):
-    n, out, offset = gathered.shape[0], [], 0
-    for shape in shapes:
-        p = _param(torch.zeros(shape, dtype=gathered.dtype), 0, n)
-        p.copy_out(gathered, offset)
-        out.append(p.unsharded_param.detach().clone())
-        offset += p.shard_numel
-    return out
+    n = gathered.shape[0]
+    params = [_param(torch.zeros(shape, dtype=gathered.dtype), 0, n) for shape in shapes]
+    AllGatherResult(params, gathered, [p.shard_numel for p in params]).copy_out()
+    return [p.unsharded_param.detach().clone() for p in params]
 
 
 def _fn(impl, name):
-    if impl == "student":
-        return getattr(importlib.import_module("exercises.fsdp2_tasks"), name)
-    return {"shard_rows": _reference_shard_rows, "copy_out": _reference_copy_out}[name]
+    return getattr(impl_module("fsdp2_tasks", impl), name)
 
 
 def _tensor(shape, seed):
@@ -74,7 +72,7 @@ def test_task5_1_shard_rows(impl):
                 assert local.shape == expected.shape and torch.equal(local, expected), where
                 assert padded.shape == (math.ceil(shape[0] / n), *shape[1:]), where
                 assert torch.equal(padded, _chunk_padded(t, rank, n)), f"{where}: padding rows must be zeros"
-                ref_padded, ref_local = _reference_shard_rows(t, rank, n)  # minifsdp's FSDPParam
+                ref_padded, ref_local = _fsdpparam_rows(t, rank, n)  # minifsdp's FSDPParam
                 assert torch.equal(padded, ref_padded) and torch.equal(local, ref_local), where
                 assert padded.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), \
                     f"{where}: padded must be a copy, not a view of the original"
@@ -96,7 +94,7 @@ def test_task5_2_copy_out(impl):
             rows = [torch.cat([_chunk_padded(p, r, n).reshape(-1) for p in params]) for r in range(n)]
             gathered = torch.stack(rows)  # what the all-gather returns, one row per rank
             out = f(gathered, shapes)
-            reference = _reference_copy_out(gathered, shapes)  # minifsdp's FSDPParam.copy_out
+            reference = _reference_copy_out(gathered, shapes)  # minifsdp's group copy-out
             assert len(out) == len(params) == len(reference), (g, n)
             for i, (o, p, r) in enumerate(zip(out, params, reference, strict=True)):
                 where = f"group {g}, N = {n}, parameter {i} {tuple(shapes[i])}"

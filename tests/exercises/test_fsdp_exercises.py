@@ -1,5 +1,5 @@
-"""Grades tasks 2.1a-c (FSDP's core operations): ``--impl=reference`` checks
-exercises/solutions/fsdp_ops.py, ``--impl=student`` the stubs in exercises/fsdp_tasks.py.
+"""Grades tasks 2.1a-c (FSDP's core operations): the module ``impl_module("fsdp_tasks", impl)`` gives, the
+stubs in exercises/fsdp_tasks.py (``--impl=student``) or the instructor's answer.
 
 2.1a runs in this process (no communication).  2.1b and 2.1c need ranks: one
 spawn of 3 ranks grades both (the default group, N = 3, and the subgroup of
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 import minifsdp
 from minifsdp.launch import RankFailedError
+from tests.exercises import impl_module
 
-MODULES = {"reference": "exercises.solutions.fsdp_ops", "student": "exercises.fsdp_tasks"}
 SPAWNED_TASKS = ("2.1b", "2.1c")
 SHAPES = [(3, 4), (5,), (2, 1, 3), (1,), (7,)]  # 31 numbers: padded at N = 2, 3, 4
 
@@ -61,7 +61,7 @@ def _oracle_shard(tensors, rank, n):
 
 @pytest.mark.parametrize("task", ["2.1a"])
 def test_task2_1a_flatten_and_shard(impl, task):
-    mod = importlib.import_module(MODULES[impl])
+    mod = impl_module("fsdp_tasks", impl)
     tensors = _tensors()
     before = [t.clone() for t in tensors]
     for n in (1, 2, 3, 4, 8):
@@ -79,7 +79,7 @@ def test_task2_1a_flatten_and_shard(impl, task):
 
 @pytest.mark.parametrize("task", ["2.1a"])
 def test_task2_1a_unflatten_views(impl, task):
-    mod = importlib.import_module(MODULES[impl])
+    mod = impl_module("fsdp_tasks", impl)
     tensors = _tensors(1)
     shapes = [t.shape for t in tensors]
     n = 4
@@ -230,12 +230,15 @@ def _grade_all(module_name: str) -> dict[str, list[str]]:
     return report
 
 
+def _module_name(impl: str) -> str:
+    return impl_module("fsdp_tasks", impl).__name__
+
+
 @pytest.fixture(scope="module")
-def graded_together(request):
+def graded_together(impl):
     """2.1b and 2.1c in one spawn, or None if that spawn failed (then each task gets its own)."""
-    impl = request.config.getoption("--impl")
     try:
-        return minifsdp.spawn(_grade_all, args=(MODULES[impl],), world_size=3, timeout_s=60)
+        return minifsdp.spawn(_grade_all, args=(_module_name(impl),), world_size=3, timeout_s=60)
     except RankFailedError:
         return None
 
@@ -244,7 +247,7 @@ def _run(impl: str, task: str, graded_together) -> None:
     if graded_together is not None:
         fails = [f"rank {r}: {line}" for r, report in enumerate(graded_together) for line in report[task]]
     else:
-        results = minifsdp.spawn(_grade, args=(MODULES[impl], task), world_size=3, timeout_s=60)
+        results = minifsdp.spawn(_grade, args=(_module_name(impl), task), world_size=3, timeout_s=60)
         fails = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
     assert not fails, f"Task {task} is not right yet:\n" + "\n".join(fails[:10])
 

@@ -1,5 +1,5 @@
-"""Grades task 4.2 (a layer-class auto-wrap policy): ``--impl=reference`` checks
-minifsdp.fsdp.core.wrap.transformer_auto_wrap_policy, ``--impl=student`` the stub in exercises/hf_tasks.py.
+"""Grades task 4.2 (a layer-class auto-wrap policy): the module ``impl_module("hf_tasks", impl)`` gives, the
+stub in exercises/hf_tasks.py (``--impl=student``) or the instructor's answer.
 
 Oracle: torch's own ``torch.distributed.fsdp.wrap.transformer_auto_wrap_policy``.  Both policies are
 walked over the same model by the same walk (minifsdp's ``recursive_wrap``, the one our FSDP's
@@ -10,19 +10,17 @@ GPT-2, and a plain torch model with a subclassed layer and two layer classes at 
 
 import copy
 import functools
-import importlib
 
 import pytest
 import torch.nn as nn
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
 
 from minifsdp.fsdp.core.wrap import recursive_wrap
+from tests.exercises import impl_module
 
 
 def _policy(impl):
-    if impl == "student":
-        return importlib.import_module("exercises.hf_tasks").layer_wrap_policy
-    return importlib.import_module("minifsdp.fsdp.core.wrap").transformer_auto_wrap_policy
+    return impl_module("hf_tasks", impl).layer_wrap_policy
 
 
 def units(model: nn.Module, policy) -> list[str]:

@@ -1,5 +1,5 @@
-"""Grades tasks 2.3a-b and 2.4: ``--impl=reference`` checks minifsdp.memory.zero_formulas,
-``--impl=student`` the stubs in exercises/memory_tasks.py.
+"""Grades tasks 2.3a-b and 2.4: the module ``impl_module("memory_tasks", impl)`` gives, the stubs in
+exercises/memory_tasks.py (``--impl=student``) or the instructor's answer.
 
 Oracles: 2.3a the ZeRO paper's published numbers (Figure 1: Ψ = 7.5B, N = 64) and small cases
 done by hand; 2.3b and 2.4 a *measurement*, not a formula: one spawn of 3 ranks
@@ -12,24 +12,15 @@ Each test calls the function once on a small case *before* asking for the measur
 untouched stubs fail at once and never wait for the spawn.
 """
 
-import importlib
-
 import pytest
 
 import minifsdp
 from tests._workers_memory_ex import SETUPS, measure_memory_and_bytes
-
-MODULES = {"reference": "minifsdp.memory.zero_formulas", "student": "exercises.memory_tasks"}
+from tests.exercises import impl_module
 
 
 def _fn(impl, name):
-    mod = importlib.import_module(MODULES[impl])
-    if impl == "student":
-        return getattr(mod, name)
-    if name == "model_state_bytes_per_rank":
-        return lambda psi, n, stage: mod.model_state_bytes(psi, n, stage, "mixed_adam")["total"]
-    return {"fsdp_model_state_bytes_per_rank": mod.fsdp_model_state_bytes,
-            "bytes_sent_per_rank": mod.bytes_sent_per_step}[name]
+    return getattr(impl_module("memory_tasks", impl), name)
 
 
 @pytest.fixture(scope="module")

@@ -1,34 +1,42 @@
-"""Grades tasks 2.5 and 4.1a-b: ``--impl=reference`` checks minifsdp's own functions,
-``--impl=student`` the stubs in exercises/overlap_tasks.py.  One process, no ranks.
+"""Grades tasks 2.5 and 4.1a-b: the module ``impl_module("overlap_tasks", impl)`` gives, the stubs in
+exercises/overlap_tasks.py (``--impl=student``) or the instructor's answer.  One process, no ranks.
 
 Oracles: 2.5 the execution orders our FSDP records on TinyGPT (tests/test_prefetch.py checks the
 resulting all-gather order and bitwise results against torch FSDP1); 4.1a torch's rule
-(``_init_param_reduce_dtypes`` in torch/distributed/fsdp/_flat_param.py); 4.1b the reference,
-bitwise, plus cases that need no reference: the fp16 overflow that the pre-division avoids, output
-dtype and shape, and the exact average of small integers.
+(``_init_param_reduce_dtypes`` in torch/distributed/fsdp/_flat_param.py); 4.1b torch FSDP1's own steps,
+bitwise: its cast of the gradient to ``reduce_dtype`` (post-backward), its zero padding, its pre-divide
+factor (``DefaultState._get_gradient_predivide_factor``) and ``_div_if_needed`` before and after the sum
+(``_reduce_grad``), the sum in rank order (gloo's at 2 ranks; one process here), the cast to the
+parameter's dtype (``_cast_grad_to_param_dtype``); plus cases that need no oracle: the fp16 overflow that
+the pre-division avoids, output dtype and shape, and the exact average of small integers.
 """
-
-import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+from torch.distributed.fsdp._runtime_utils import _div_if_needed
 
-REFERENCE = {"prefetch_target": ("minifsdp.fsdp.core.prefetch", "prefetch_target"),
-             "reduce_gradient_shard": ("exercises.solutions.mixed_precision", "reduce_gradient_shard")}
+from tests.exercises import impl_module
 
 
 def _fn(impl, name):
-    if impl == "student":
-        return getattr(importlib.import_module("exercises.overlap_tasks"), name)
-    if name == "mixed_precision_dtypes":
-        from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
+    return getattr(impl_module("overlap_tasks", impl), name)
 
-        def dtypes(p, r, o):
-            d = resolve_dtypes(MixedPrecision(param_dtype=p, reduce_dtype=r), o)
-            return d.param, d.reduce
-        return dtypes
-    mod, attr = REFERENCE[name]
-    return getattr(importlib.import_module(mod), attr)
+
+def _torch_fsdp1_reduction(rank_grads, rank, reduce_dtype, param_dtype=torch.float32):
+    """What torch FSDP1 leaves in rank ``rank``'s sharded gradient, each of its steps by its own helpers."""
+    n, numel = len(rank_grads), rank_grads[0].numel()
+    pre = DefaultState._get_gradient_predivide_factor(n)
+    chunk = -(-numel // n)
+    total = None
+    for g in rank_grads:
+        g = F.pad(g.to(reduce_dtype), [0, chunk * n - numel]).clone()  # a copy: the inputs stay as they are
+        _div_if_needed(g, pre)
+        total = g if total is None else total + g
+    shard = total[rank * chunk:(rank + 1) * chunk].clone()
+    _div_if_needed(shard, n / pre)
+    return shard.to(param_dtype)
 
 
 def test_task2_5_prefetch_target(impl):
@@ -64,7 +72,6 @@ def _grads(n, numel, dtype, seed):
 
 def test_task4_1b_reduce_gradient_shard(impl):
     f = _fn(impl, "reduce_gradient_shard")
-    ref = _fn("reference", "reduce_gradient_shard")
     # exact case: small integers, the average is exact in every dtype
     grads = [torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0]) * (r + 1) for r in range(2)]
     out0 = f([g.to(torch.bfloat16) for g in grads], 0, torch.bfloat16)
@@ -77,11 +84,11 @@ def test_task4_1b_reduce_gradient_shard(impl):
     out = f(big, 0, torch.float16)
     assert torch.isfinite(out).all() and out.tolist() == [40000.0, 40000.0]
     assert all(torch.equal(a, b) for a, b in zip(big, before)), "rank_grads were modified"
-    # bitwise against the reference, bf16 and fp16, N = 2, 3, 4, reduce in low precision and in fp32
+    # bitwise against torch FSDP1's steps, bf16 and fp16, N = 2, 3, 4, reduce in low precision and in fp32
     for n in (2, 3, 4):
         for dtype in (torch.bfloat16, torch.float16):
             for reduce_dtype in (dtype, torch.float32):
                 grads = _grads(n, 11, dtype, seed=n)
                 for rank in range(n):
-                    got, want = f(grads, rank, reduce_dtype), ref(grads, rank, reduce_dtype)
+                    got, want = f(grads, rank, reduce_dtype), _torch_fsdp1_reduction(grads, rank, reduce_dtype)
                     assert got.dtype == want.dtype and torch.equal(got, want), (n, dtype, reduce_dtype, rank)

@@ -1,5 +1,5 @@
-"""Grades tasks 4.4a-b: ``--impl=reference`` checks minifsdp's own code, ``--impl=student`` the stubs in
-exercises/parallel_tasks.py.  One process, no ranks.
+"""Grades tasks 4.4a-b: the module ``impl_module("parallel_tasks", impl)`` gives, the stubs in
+exercises/parallel_tasks.py (``--impl=student``) or the instructor's answer.  One process, no ranks.
 
 Oracles: 4.4a an unsharded ``nn.Linear`` (to 1e-5: the N partial sums add the products in another order)
 and, bitwise, the math of our ``RowwiseParallel`` (its own slicing ``tensor_parallel._take`` and
@@ -13,8 +13,6 @@ Each task first shows its checks rejecting wrong solutions (the bias added on ev
 GPipe order, a warm-up one too long), then grades the implementation.
 """
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,10 +20,12 @@ from torch.distributed.pipelining import Schedule1F1B as TorchSchedule1F1B
 
 import minifsdp.parallel.tensor_parallel as tp
 from minifsdp.parallel.pipeline_schedules import action_order
+from tests.exercises import impl_module
 
 
-# ----------------------------------------------------------------------------- the references
-def _reference_row_parallel(x, weight, bias, world_size):
+# ----------------------------------------------------------------------------- the oracles, from the library
+def _rowwise_oracle(x, weight, bias, world_size):
+    """Our RowwiseParallel's math, one process: its own cut (``tp._take``), ``F.linear``, the sum in rank order."""
     if weight.shape[1] % world_size:
         raise ValueError(f"in_features={weight.shape[1]} is not divisible by {world_size}")
     partials = []
@@ -40,18 +40,14 @@ def _reference_row_parallel(x, weight, bias, world_size):
     return partials, [out.clone() for _ in range(world_size)]
 
 
-def _reference_1f1b(stage_index, num_stages, n_microbatches):
-    if not 0 <= stage_index < num_stages:
-        raise ValueError(f"stage_index {stage_index} not in 0..{num_stages - 1}")
-    if n_microbatches < num_stages:
-        raise ValueError(f"1F1B needs n_microbatches >= num_stages, got {n_microbatches} < {num_stages}")
-    return action_order("1f1b", stage_index, num_stages, n_microbatches)
+def _refuse_bad_stages(stage_index, num_stages, n_microbatches):
+    """The checks torch's Schedule1F1B makes (the wrong orders below keep them, so only their order is wrong)."""
+    if not 0 <= stage_index < num_stages or n_microbatches < num_stages:
+        raise ValueError(f"stage {stage_index} of {num_stages}, {n_microbatches} micro-batches")
 
 
 def _fn(impl, name):
-    if impl == "student":
-        return getattr(importlib.import_module("exercises.parallel_tasks"), name)
-    return {"row_parallel_linear": _reference_row_parallel, "one_f_one_b_order": _reference_1f1b}[name]
+    return getattr(impl_module("parallel_tasks", impl), name)
 
 
 # ----------------------------------------------------------------------------- 4.4a
@@ -69,7 +65,7 @@ def _check_row_parallel(f):
         w, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
         xc, wc, bc = x.clone(), w.clone(), None if b is None else b.clone()
         partials, outputs = f(x, w, b, n)
-        ref_partials, ref_outputs = _reference_row_parallel(x, w, b, n)
+        ref_partials, ref_outputs = _rowwise_oracle(x, w, b, n)
         assert torch.equal(x, xc) and torch.equal(w, wc) and (b is None or torch.equal(b, bc)), "inputs modified"
         assert len(partials) == len(outputs) == n, f"{n} ranks: got {len(partials)} partials, {len(outputs)} outputs"
         for r in range(n):
@@ -82,12 +78,12 @@ def _check_row_parallel(f):
 
 
 def _bias_on_every_rank(x, w, b, n):
-    parts, outs = _reference_row_parallel(x, w, b, n)
+    parts, outs = _rowwise_oracle(x, w, b, n)
     return parts, [o + (n - 1) * b if b is not None else o for o in outs]  # b added before the sum: N times
 
 
 def _no_all_reduce(x, w, b, n):
-    parts, _ = _reference_row_parallel(x, w, b, n)
+    parts, _ = _rowwise_oracle(x, w, b, n)
     return parts, [p if b is None else p + b for p in parts]
 
 
@@ -151,12 +147,12 @@ def _check_1f1b(f):
 
 
 def _gpipe(s, p, m):
-    _reference_1f1b(s, p, m)
+    _refuse_bad_stages(s, p, m)
     return action_order("gpipe", s, p, m)
 
 
 def _warmup_too_long(s, p, m):  # p - s forwards first (torch's warm-up count), then F-then-B pairs
-    _reference_1f1b(s, p, m)
+    _refuse_bad_stages(s, p, m)
     w = min(m, p - s)
     steady = [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
     return [f"F{i}" for i in range(w)] + steady + [f"B{i}" for i in range(m - w, m)]

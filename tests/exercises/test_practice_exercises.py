@@ -1,6 +1,5 @@
-"""Grades tasks 3.2a, 3.2b, 3.3 (chapter 3): ``--impl=reference`` checks minifsdp's own
-(``minifsdp.tools.train.lr_factor``, ``minifsdp.tools.train_monitor``), ``--impl=student`` the stubs
-in exercises/practice_tasks.py.
+"""Grades tasks 3.2a, 3.2b, 3.3 (chapter 3): the module ``impl_module("practice_tasks", impl)`` gives, the
+stubs in exercises/practice_tasks.py (``--impl=student``) or the instructor's answer (the train job's own).
 
 Oracles, independent of both implementations: 3.2a, values written out from the schedule's
 definition (exact fractions for the warm-up, tolerance 1e-12 for the cosine: one float rounding
@@ -8,21 +7,15 @@ path against another); 3.2b, hand-made logs whose bad steps are known; 3.3, a ha
 sums are known, with torch's own op names and instant events mixed in.
 """
 
-import importlib
 import math
 
 import pytest
 
-MODULES = {
-    "reference": {"3.2a": "minifsdp.tools.train", "3.2b": "minifsdp.tools.train_monitor",
-                  "3.3": "minifsdp.tools.train_monitor"},
-    "student": {"3.2a": "exercises.practice_tasks", "3.2b": "exercises.practice_tasks",
-                "3.3": "exercises.practice_tasks"},
-}
+from tests.exercises import impl_module
 
 
 def _fn(impl, task, name):
-    return getattr(importlib.import_module(MODULES[impl][task]), name)
+    return getattr(impl_module("practice_tasks", impl), name)
 
 
 @pytest.mark.timeout(60)

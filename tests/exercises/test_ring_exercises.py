@@ -1,5 +1,5 @@
-"""Grades tasks 2.2a-c (ring collectives): ``--impl=reference`` checks minifsdp.comm.ring (the textbook ring),
-``--impl=student`` the stubs in exercises/ring_collectives.py.
+"""Grades tasks 2.2a-c (ring collectives): the module ``impl_module("ring_collectives", impl)`` gives, the
+stubs in exercises/ring_collectives.py (``--impl=student``) or the instructor's answer (the textbook ring).
 
 Ranks: 3, world size 3 is the default group, world size 2 the subgroup of ranks 0 and 1.
 One spawn grades all three tasks (a spawn costs seconds); a task that raises
@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import minifsdp
 from minifsdp.launch import RankFailedError
+from tests.exercises import impl_module
 
-MODULES = {"reference": "minifsdp.comm.ring", "student": "exercises.ring_collectives"}
 TASKS = ("2.2a", "2.2b", "2.2c")
 
 
@@ -82,12 +82,15 @@ def _failures(results, task) -> list[str]:
     return [f"rank {r}: {line}" for r, report in enumerate(results) for line in report[task]]
 
 
+def _module_name(impl: str) -> str:
+    return impl_module("ring_collectives", impl).__name__
+
+
 @pytest.fixture(scope="module")
-def graded_together(request):
+def graded_together(impl):
     """Every task in one spawn, or None if that spawn failed (then each task gets its own)."""
-    impl = request.config.getoption("--impl")
     try:
-        return minifsdp.spawn(_grade_all, args=(MODULES[impl],), world_size=3, timeout_s=30)
+        return minifsdp.spawn(_grade_all, args=(_module_name(impl),), world_size=3, timeout_s=30)
     except RankFailedError:
         return None
 
@@ -96,7 +99,7 @@ def _run(impl: str, task: str, graded_together) -> None:
     if graded_together is not None:
         fails = _failures(graded_together, task)
     else:
-        results = minifsdp.spawn(_grade, args=(MODULES[impl], task), world_size=3, timeout_s=30)
+        results = minifsdp.spawn(_grade, args=(_module_name(impl), task), world_size=3, timeout_s=30)
         fails = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
     assert not fails, f"Task {task} is not right yet:\n" + "\n".join(fails[:10])
 

@@ -2,9 +2,9 @@
 
 A fault is an edit of one function's *source*, made in memory, never on disk::
 
-    Fault(target="minifsdp.fsdp.core.gradient:UnitGradient.__init__",
-          old="self.predivide = predivide_factor(dp)",
-          new="self.predivide = float(dp)")
+    Fault(target="minifsdp.fsdp.core.strategy:ShardingPlan.divide_factors",
+          old="pre = predivide_factor(self.data_parallel_size)",
+          new="pre = float(self.data_parallel_size)")
 
 :func:`prepare` reads the function's source, checks that ``old`` occurs in it exactly once (if the
 library changed, the entry is out of date and says so), replaces it, and compiles the result with
@@ -148,9 +148,14 @@ def plant_from_environment() -> None:
     if not name:
         return
     try:
-        from tests.planted_faults.catalog import by_name
+        from tests.planted_faults.task_faults import TASK_5_3_FAULT
 
-        plant(by_name(name))
+        if name == TASK_5_3_FAULT.name:  # the student edition has no catalog.py, and plants this one
+            plant(TASK_5_3_FAULT)
+        else:
+            from tests.planted_faults.catalog import by_name
+
+            plant(by_name(name))
         line = f"{os.getpid()} planted {name}"
     except Exception as e:  # noqa: BLE001 - reported to the test that asked for the fault
         line = f"{os.getpid()} error {type(e).__name__}: {e}".replace("\n", " ")

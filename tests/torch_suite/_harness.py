@@ -4,7 +4,9 @@ Process start-up (spawn, import torch) costs seconds on a laptop, a case costs m
 cases a pytest session selected from one module run in one spawned batch (:func:`run_batch`).  If
 the batch dies (a rank crashed or hung), the ranks' progress logs say which cases finished and which
 side of which case was running: that case gets the death as its result, and the rest run on in a
-new batch, so one crash costs one case and says which side died.
+new batch, so one crash costs one case and says which side died.  A case that fails on some ranks while
+the others wait for them in a collective ends its batch the same way, within seconds, with every rank's
+traceback (``_agree.py``).
 
 :func:`check` turns a case's result into pytest's outcome: torch FSDP1 failed on CPU -> skip (not
 counted), ours failed -> fail (xfail where the module marks the gap), both passed -> pass.
@@ -100,9 +102,14 @@ def _run(module: str, ids: list[str], world: int) -> dict:
                 rest = [c for c in todo if c not in finished]
                 if not rest:
                     return out
-                dead = starts[-1]["start"] if starts and starts[-1]["start"] in rest else rest[0]
-                side = starts[-1]["side"] if starts and starts[-1]["start"] == dead else "torch"
-                res = {side: why}
+                left = [ent for entries in logs for ent in entries if "left_waiting" in ent]
+                if left:  # a rank failed while the others waited in a collective: it ended the batch, named it
+                    dead, side = left[0]["left_waiting"], left[0]["side"]
+                    res = {side: left[0]["why"], side + "_tb": left[0]["tb"]}
+                else:
+                    dead = starts[-1]["start"] if starts and starts[-1]["start"] in rest else rest[0]
+                    side = starts[-1]["side"] if starts and starts[-1]["start"] == dead else "torch"
+                    res = {side: why}
                 if side == "ours":  # torch's side of this case finished: its result is in the logs
                     errs = [ent["err"] for entries in logs for ent in entries
                             if ent.get("ended") == dead and ent["side"] == "torch"]

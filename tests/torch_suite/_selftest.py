@@ -6,6 +6,8 @@
   result, and still run the case after it;
 - ``case_forgot_wait``: ours' ring reductions land late (``test_delays.py``) and their handles claim to be
   done at once, so ours steps with gradients not yet written: the delays port must fail on our side;
+- ``case_fails_on_one_rank_only``: our side raises on rank 1 while rank 0 goes on into a collective that waits
+  for rank 1: the runner must end the case within seconds, named, with both ranks' tracebacks, and run the rest;
 - ``case_fine``: passes on both sides.
 """
 
@@ -13,6 +15,7 @@ import os
 import signal
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import ShardingStrategy
 from torch.testing._internal.common_fsdp import NestedWrappedModule
 
@@ -52,10 +55,17 @@ def case_forgot_wait(api):
     case_late_ring_reductions(api, ShardingStrategy.FULL_SHARD, forget_wait=True)
 
 
+def case_fails_on_one_rank_only(api):
+    if api.ours:
+        if dist.get_rank() == 1:
+            raise AssertionError("planted: rank 1's check fails")
+        dist.all_reduce(torch.ones(1))  # rank 0 goes on, into a collective rank 1 never joins
+
+
 def case_fine(api):
     W.ddp_parity(api, NestedWrappedModule, {})
 
 
 CASES = W.Cases()
-for _fn in (case_wrong_param, case_crash_ours, case_forgot_wait, case_fine):
+for _fn in (case_wrong_param, case_crash_ours, case_fails_on_one_rank_only, case_forgot_wait, case_fine):
     CASES.add(_fn)

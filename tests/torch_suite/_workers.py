@@ -11,7 +11,8 @@ dicts); when it is registered with ``vs_torch=(rtol, atol)``, ours must return w
 within that tolerance (:func:`same`: tensors by ``assert_close``, dtypes included; the rest by ``==``).
 
     parent (pytest)                          every rank
-    spawn(run_batch, (module, ids)) ----->   for id in ids:  torch side, barrier, ours side, barrier
+    spawn(run_batch, (module, ids)) ----->   for id in ids:  torch side, meet, ours side, meet
+                                             (meet: every rank's outcome, through the store: _agree.py)
            <----- {id: {"torch": err|None, "ours": err|None}}
 """
 
@@ -35,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.testing._internal.common_fsdp import DEVICEInitMode, FSDPInitMode
 
 import minifsdp
+from tests.torch_suite._agree import Meeting, RanksLeftWaiting
 
 CPU = torch.device("cpu")
 DEFAULT_MODES = (FSDPInitMode.NO_FSDP, DEVICEInitMode.DEVICE_BEFORE)  # a torch test model without FSDP
@@ -240,23 +242,35 @@ def run_batch(module: str, ids: list[str], sides: tuple = ("torch", "ours"), log
                 f.write(json.dumps(entry) + "\n")
 
     out = {}
-    for cid in ids:
-        case, res, values = cases[cid], {}, {}
-        for name in sides:
-            note(start=cid, side=name)
-            try:
-                values[name] = _run_side(case, Side(name == "ours"))
-                res[name] = None
-            except Exception as e:  # noqa: BLE001 - the error is the result
-                res[name] = _first_line(e)
-                res[name + "_tb"] = traceback.format_exc()[-3000:]
-            note(ended=cid, side=name, err=res[name])
-            dist.barrier()
-        if case.vs_torch and res.get("ours") is None and res.get("torch") is None and "torch" in values:
-            try:
-                same(values["ours"], values["torch"], *case.vs_torch)
-            except Exception as e:  # noqa: BLE001
-                res["ours"] = "vs torch's result: " + _first_line(e)
-        out[cid] = res
-        note(done=cid, res=res)
+    meeting = Meeting()  # after each side, instead of a barrier (tests/torch_suite/_agree.py says why)
+    try:
+        for cid in ids:
+            out[cid] = _run_case(cid, cases[cid], sides, note, meeting)
+    finally:
+        meeting.close()
     return out
+
+
+def _run_case(cid: str, case: Case, sides: tuple, note: Callable, meeting: Meeting) -> dict:
+    res, values = {}, {}
+    for name in sides:
+        note(start=cid, side=name)
+        try:
+            values[name] = _run_side(case, Side(name == "ours"))
+            res[name] = None
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            res[name] = _first_line(e)
+            res[name + "_tb"] = traceback.format_exc()[-3000:]
+        note(ended=cid, side=name, err=res[name])
+        try:
+            meeting.side_over(cid, name, res[name], res.get(name + "_tb"))
+        except RanksLeftWaiting as e:  # this batch is over: the parent blames this case, runs the rest anew
+            note(left_waiting=cid, side=name, why=str(e), tb=e.detail)
+            raise
+    if case.vs_torch and res.get("ours") is None and res.get("torch") is None and "torch" in values:
+        try:
+            same(values["ours"], values["torch"], *case.vs_torch)
+        except Exception as e:  # noqa: BLE001
+            res["ours"] = "vs torch's result: " + _first_line(e)
+    note(done=cid, res=res)
+    return res

@@ -52,9 +52,9 @@ def real_cpu_sleeps(api):
     if api.ours:
         real_reshard = FlatParamHandle.reshard
 
-        def reshard_late(self):
+        def reshard_late(self, *args, **kwargs):
             time.sleep(DELAY_MS / 1000)
-            return real_reshard(self)
+            return real_reshard(self, *args, **kwargs)
 
         patches.append(mock.patch.object(FlatParamHandle, "reshard", reshard_late))
     with contextlib.ExitStack() as stack:

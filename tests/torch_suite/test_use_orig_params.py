@@ -9,13 +9,18 @@ What torch's file checks, and how here:
   them: torch's);
 - writing to an original parameter in place outside forward lands in the full parameter (as torch);
 - parameters frozen non-uniformly inside one unit (torch's NonUniformReqGradNWM) train as DDP;
-- the same model under MixedPrecision(fp16), then a full ``state_dict()``: what torch returns.
+- the same model under MixedPrecision(fp16), then a full ``state_dict()``: what torch returns;
+- write-back of a replaced parameter whose shape changed: a piece one number longer on each rank raises torch's
+  "Cannot writeback" RuntimeError at ``summon_full_params``; a new Parameter under the name of one a rank holds
+  none of (a 0-number piece) is not written back there, and ``summon_full_params`` then shows torch's full
+  parameter under that name; then a step: torch's losses and parameters.
 Oracles: DDP, torch FSDP1.  Tolerance: assert_close fp32 defaults against DDP; bitwise against torch
 for names and shapes; 1e-3 for fp16 values.
 """
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy, StateDictType
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.common_fsdp import NestedWrappedModule, NonUniformReqGradNWM
@@ -96,6 +101,54 @@ def case_nonuniform_fp16_state_dict(api):
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
+class _TwoLinears(nn.Module):
+    """Linear(5, 5) then Linear(5, 7) (torch's write-back test model, written anew): one unit at 2 ranks puts
+    lin1.weight wholly on rank 0 and splits lin2.weight between the ranks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(42)
+        self.lin1, self.lin2 = nn.Linear(5, 5), nn.Linear(5, 7)
+
+    def forward(self, x):
+        return self.lin2(torch.relu(self.lin1(x)))
+
+
+def case_writeback_shape_mismatch(api):
+    """torch's ``test_writeback_shape_mismatch``: rank 0 replaces lin1.weight, rank 1 lin2.weight, with a Parameter
+    (and a gradient) one number longer in every dim than its piece; the write-back at summon raises."""
+    fsdp = api.wrap(_TwoLinears(), use_orig_params=True)
+    lin = fsdp.module.lin1 if torch.distributed.get_rank() == 0 else fsdp.module.lin2
+    shape = [d + 1 for d in lin.weight.shape]
+    lin.weight = nn.Parameter(torch.randn(shape))
+    lin.weight.grad = torch.randn(shape)
+    try:
+        with api.FSDP.summon_full_params(fsdp):
+            pass
+    except RuntimeError as e:
+        assert "Cannot writeback" in str(e), str(e)
+        return "RuntimeError"
+    raise AssertionError("no error for a parameter whose shape changed")
+
+
+def case_new_param_where_rank_holds_none(api, strategy):
+    """Every rank puts a new Parameter (its piece, doubled) under lin1.weight; rank 1 holds none of it (a 0-number
+    piece).  Inside summon_full_params: every name's shape and values; after it: the names' shapes; then a
+    forward, backward and SGD step: the loss and the full parameters."""
+    fsdp = api.wrap(_TwoLinears(), use_orig_params=True, sharding_strategy=strategy)
+    lin1 = fsdp.module.lin1
+    lin1.weight = nn.Parameter(lin1.weight.detach() * 2)
+    with api.FSDP.summon_full_params(fsdp):
+        inside = [(n, tuple(p.shape), p.detach().clone()) for n, p in fsdp.named_parameters()]
+    after = [(n, tuple(p.shape)) for n, p in fsdp.named_parameters()]
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    torch.manual_seed(3)
+    loss = fsdp(torch.randn(2, 5)).sum()
+    loss.backward()
+    opt.step()
+    return {"inside": inside, "after": after, "loss": loss.detach(), "full": api.full_params(fsdp)}
+
+
 CASES = W.Cases()
 for _s in STRATEGIES:
     CASES.add(case_param_groups, strategy=_s)
@@ -105,6 +158,12 @@ for _s in STRATEGIES:
     CASES.add(case_nonuniform_requires_grad, strategy=_s)
 CASES.add(case_nonuniform_fp16_state_dict, vs_torch=(1e-3, 1e-3))
 
+CASES.add(case_writeback_shape_mismatch, vs_torch=(0, 0))
+for _s in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+    CASES.add(case_new_param_where_rank_holds_none, strategy=_s, vs_torch=(0, 0))
+
+# Fixed by the core's rewrite: where a rank holds none of a replaced parameter, summon_full_params
+# re-registers the kept original with its full .data (OrigParams.after_unshard), as torch's _use_unsharded_views.
 XFAIL: dict = {}
 FAST = ("param_groups:strategy=FULL_SHARD",)
 

@@ -11,8 +11,11 @@ stream, in issue order, while the caller keeps computing (do not touch the tenso
   one is swapped whole and added (:mod:`.swap`);
 * all-reduce, N > 2: pipelined pieces, every receive posted before the first send, the
   all-gather started piece by piece as the reduce-scatter finishes (:mod:`.pipeline`);
-* reduce-scatter: the partial sums alternate between ``output`` and one scratch chunk, kept
-  between calls (:mod:`.seat`, Note (workspace)).
+* reduce-scatter: the partial sums alternate between ``output`` and one scratch chunk
+  (:mod:`.seat`, Note (workspace)).
+
+When one returns (or its ``wait()`` does), nothing of it is kept but the next header receive
+(:mod:`minifsdp.comm.stream`, Note (a finished job is dropped)).
 
 Every one of these keeps the textbook's order of additions, so the results are bitwise the
 textbook's (``tests/test_collectives.py``, check "tuned_vs_textbook"; ``tests/comm/`` in one process).
@@ -34,8 +37,8 @@ __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather"]
 
 
 def _seat(group, stream: CommStream) -> Seat:
-    """This rank's seat, with the buffers the group's stream keeps between collectives."""
-    return Seat(group, stream.workspace, stream.doorbells)
+    """This rank's seat for one collective: scratch of its own, the header receives the group's stream keeps."""
+    return Seat(group, None, stream.doorbells)
 
 
 def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False) -> Work | None:

@@ -82,7 +82,7 @@ def agree_on_header(seat: Seat, kind: str, tensor: torch.Tensor, op: str, extra:
     room = _next_room(seat, kind, tensor)
     mine = header_row(kind, tensor, op, extra) + [0 if carry is None else carry.numel(), room, 0]
     table_bytes = seat.size * HEADER_BYTES if seat.size > 2 and seat.rank == 0 else 0  # rank 0 sends the table
-    out = _buffer(seat.workspace, "bell_out", max(HEADER_BYTES + nbytes, table_bytes))
+    out = torch.empty(max(HEADER_BYTES + nbytes, table_bytes), dtype=torch.uint8)
     out[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(mine))
     if carry is not None:
         out[HEADER_BYTES:HEADER_BYTES + nbytes] = carry.view(-1).view(torch.uint8)
@@ -133,13 +133,12 @@ def _star(seat: Seat, out: torch.Tensor, mine: list[int]) -> list[list[int]]:
 
 def _read(seat: Seat, peer: int, next_capacity: int) -> torch.Tensor:
     """Wait for the message from group rank ``peer`` in this collective's doorbell, then post the next
-    collective's (of ``next_capacity`` bytes: the line is quiet now).  The buffer returned goes back to
-    the free ones: the next collective posts it again, once this one has read it."""
+    collective's (of ``next_capacity`` bytes, in a buffer of its own: the line is quiet now).  The buffer
+    returned is this collective's to read; nothing keeps it after."""
     bell = _doorbell(seat, peer)
     work, buf, _ = bell["posted"].popleft()
     work.wait()
-    bell["posted"].append(_post(seat, peer, bell, next_capacity))
-    bell["free"].append(buf)
+    bell["posted"].append(_post(seat, peer, next_capacity))
     return buf
 
 
@@ -159,36 +158,23 @@ def _next_room(seat: Seat, kind: str, tensor: torch.Tensor) -> int:
 
 
 def _doorbell(seat: Seat, peer: int) -> dict:
-    """{"posted": (work, buffer, capacity) in the order posted, "free": buffers to post next, "peer_room":
-    room the peer said its next doorbell has} for group rank ``peer``.  (``seat.doorbells`` also keeps
-    "my_room": the room of ours.)
+    """{"posted": (work, buffer, capacity) in the order posted, "peer_room": room the peer said its next
+    doorbell has} for group rank ``peer``.  (``seat.doorbells`` also keeps "my_room": the room of ours.)
 
-    Two buffers per peer: between collectives one receive is posted (this collective's) and one
-    buffer is free; each collective reads the peer's message, then posts the next one's receive.
-    The first collective on the group posts its own receive here, with no room yet.
+    Between collectives one receive per peer is posted (the next collective's), and that is all a
+    group keeps: each collective reads the peer's message, then posts the next one's receive in a
+    buffer of its own.  The first collective on the group posts its own receive here, with no room yet.
     """
     bell = seat.doorbells.get(peer)
     if bell is None:
         capacity = seat.size * HEADER_BYTES if (seat.size > 2 and peer == 0) else HEADER_BYTES  # rank 0's table
-        bell = seat.doorbells[peer] = {"posted": collections.deque(), "peer_room": 0,
-                                       "free": [torch.empty(capacity, dtype=torch.uint8) for _ in range(2)]}
-        bell["posted"].append(_post(seat, peer, bell, capacity))
+        bell = seat.doorbells[peer] = {"posted": collections.deque(), "peer_room": 0}
+        bell["posted"].append(_post(seat, peer, capacity))
     return bell
 
 
-def _post(seat: Seat, peer: int, bell: dict, capacity: int) -> tuple:
-    """Post a header receive of ``capacity`` bytes from group rank ``peer`` into a free buffer (grown if
-    too small): (work, buffer, capacity)."""
-    buf = bell["free"].pop()
-    if buf.numel() < capacity:
-        buf = torch.empty(capacity, dtype=torch.uint8)
-    work = dist.irecv(buf[:capacity], seat.global_rank(peer), group=seat.group, tag=HEADER_TAG)
+def _post(seat: Seat, peer: int, capacity: int) -> tuple:
+    """Post a header receive of ``capacity`` bytes from group rank ``peer``: (work, buffer, capacity)."""
+    buf = torch.empty(capacity, dtype=torch.uint8)
+    work = dist.irecv(buf, seat.global_rank(peer), group=seat.group, tag=HEADER_TAG)
     return work, buf, capacity
-
-
-def _buffer(store: dict, key: str, nbytes: int) -> torch.Tensor:
-    """``store[key]``, a uint8 buffer of at least ``nbytes`` (replaced by a bigger one when asked)."""
-    buf = store.get(key)
-    if buf is None or buf.numel() < nbytes:
-        buf = store[key] = torch.empty(nbytes, dtype=torch.uint8)
-    return buf

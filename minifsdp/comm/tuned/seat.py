@@ -1,17 +1,20 @@
-"""This rank's seat in the tuned ring: its neighbours, its byte counters, the buffers it keeps.
+"""This rank's seat in the tuned ring: its neighbours, its byte counters, its buffers for one collective.
 
 The textbook ring (:mod:`minifsdp.comm.ring`) asks ``dist`` for the rank, the world size and the
 peers' global ranks at every step, and allocates its buffers in every call.  The tuned ring
-keeps them in a :class:`Seat`, built once per collective from what the group's comm stream keeps
-between collectives (:mod:`minifsdp.comm.stream`): one scratch buffer per dtype and device
-(``workspace``), and the header receives posted ahead (``doorbells``: :mod:`.header`).
+keeps them in a :class:`Seat`, built once per collective: the scratch buffers it receives into
+(``workspace``, one per dtype and device, made in this collective), and the header receives
+posted ahead (``doorbells``: :mod:`.header`), the one thing the group's comm stream keeps between
+collectives (:mod:`minifsdp.comm.stream`).
 
-Note (workspace): kept between collectives of the same group (one stream runs one collective
-at a time, so one buffer is enough): a fresh 32 MB buffer per call costs 8192 page faults while
-the kernel copies into it.  It keeps the largest size asked for, until the process ends:
-(N-1)/N of the largest tensor all-reduced (the whole tensor at N=2, swapped: :mod:`.swap`), one
-chunk for a reduce-scatter (FSDP: one rank's shard of its largest unit), two if the output is a
-chunk of the input.
+Note (workspace): one scratch buffer per dtype and device, for this collective only, and dropped
+with the seat when it ends, as gloo's own algorithms allocate theirs per call: memory kept between
+collectives is memory every rank holds while it trains (a census counts it; torch does not hold
+it).  Its size: (N-1)/N of the tensor all-reduced (the whole tensor at N=2, swapped: :mod:`.swap`),
+one chunk for a reduce-scatter (FSDP: one rank's shard of the unit), two if the output is a chunk
+of the input.  The price is the allocation: glibc's malloc, once a block of a size has been freed,
+serves the next one of that size from memory it kept (its dynamic mmap threshold, up to 32 MB on
+64-bit: mallopt(3), M_MMAP_THRESHOLD); above that, each call maps, and faults in, fresh pages.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class Seat:
     def __init__(self, group, workspace: dict | None = None, doorbells: dict | None = None,
                  stats: tuple[ByteStats, ...] | None = None):
         self.group = group
-        self.workspace = {} if workspace is None else workspace  # tensors only (bench fsdp sums them)
+        self.workspace = {} if workspace is None else workspace  # tensors only, this collective's
         self.doorbells = {} if doorbells is None else doorbells
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)

@@ -1,32 +1,48 @@
-"""FullyShardedDataParallel (chapter 2): a module whose parameters live sharded across ranks.
+"""One FSDP training step, read top to bottom in the order it happens (chapters 2 and 4.1).
 
     model = FullyShardedDataParallel(TinyGPT(), auto_wrap_policy=partial(transformer_auto_wrap_policy,
                                                                          transformer_layer_cls={Block}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # AFTER wrapping: it steps the local shards
-    loss = model(x, y); loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+    loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
 
-Each wrapped module is a *unit* with one flat parameter.  A step, for a root with two nested
-units, FULL_SHARD (AG = all-gather, RS = reduce-scatter):
+Each wrapped module is a *unit* that owns one flat parameter.  The class below is written in
+the step's order, one section per phase:
 
-    forward:   AG root | AG b0, run b0, free b0 | AG b1, run b1, free b1 | run root tail
-    backward:           AG b1, grad b1, RS b1, free | AG b0, grad b0, RS b0, free | grad root, ...
-    end:       final callback at the root: the last RS finishes, every shard has its gradient
+    0. wrap          flatten each unit's parameters, keep this rank's 1/N        __init__, _flatten
+    1. forward       pre-forward: all-gather; run; post-forward: free or keep    forward, _pre_forward,
+                                                                                 _post_forward
+    2. backward      pre-backward: all-gather again; autograd computes the       _pre_backward_hook,
+                     unit's full gradient; post-backward: free, reduce-scatter   _post_backward_hook
+    3. end           wait for every reduction; every unit back to IDLE           _post_backward_final_callback
+    4. optimizer     opt.step() updates the shard: nothing for FSDP to do        (section 4, a comment)
 
-Two objects per unit, and calls go one way: this class decides *when* (hooks, order,
-TrainingState); its ``FlatParamHandle`` (``handle.py``) does *what* (tensors, collectives).
-The forward is here, the backward's hooks in ``backward.py``.
+One FULL_SHARD step of a root with two nested units b0, b1 on one rank (AG = all-gather,
+RS = reduce-scatter, BACKWARD_PRE prefetch, time runs left to right):
 
-Note (root): the outermost unit, whose forward runs first.  At that first forward it lists
-every unit below it and casts floating-point buffers to ``MixedPrecision.buffer_dtype`` once;
-its ``RootStep`` keeps the units' execution order and whether the final callback is queued.
+    forward   AG root | AG b0, run b0, free b0 | AG b1, run b1, free b1 | run root's own tail
+    backward  pre root: queue the final callback
+              pre b1: AG b1, AG b0 started early | grad b1 | post b1: free b1, RS b1
+              pre b0: (AG b0 already here)       | grad b0 | post b0: free b0, RS b0
+              grad root (the root's parameters stayed: its backward began at once) | post root: RS root
+    end       final callback: the last RS finishes, every unit IDLE; flat_param.grad is each shard's gradient
+    step      opt.step(): each rank updates its 1/N; nothing is gathered until the next forward
 
-This is the class to read; ``minifsdp.FSDP`` (``minifsdp/fsdp/fully_sharded.py``) extends it
-with the rest of torch FSDP1's API, and this one never imports that.
+Why gather again in the backward?  FULL_SHARD freed b0's parameters right after its forward
+(that is where its memory saving comes from), but b0's backward needs them: the Linear's weight
+gradient is computed from its input, its input gradient from its weight.  SHARD_GRAD_OP keeps them
+instead and pays their memory between the forward and the backward.  Which one happens is read
+from the unit's :class:`ShardingPlan` (``strategy.py``), never from the strategy's name.
+
+Calls go one way: this class decides *when* (hooks, order, ``TrainingState``); its ``FlatParamHandle``
+(``handle.py``) and ``UnitGradient`` (``gradient.py``) do *what* (tensors, collectives), as torch's
+split: these methods mirror the functions of ``torch/distributed/fsdp/_runtime_utils.py`` they name.
+
+Note (root): the outermost unit, whose forward runs first (torch's ``_lazy_init`` finds it); its
+``RootStep`` keeps every unit below it, their execution order, whether the final callback is queued.
+The lines ``self._extensions.<point>(self)`` are where torch's wider API joins (``extension.py``).
 """
 
 import contextlib
-import functools
-import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -36,13 +52,13 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from minifsdp.comm import get_collectives
-from minifsdp.fsdp.core import full_params
-from minifsdp.fsdp.core.backward import frees_in_backward, post_backward, pre_backward
+from minifsdp.fsdp.core.extension import Extensions
+from minifsdp.fsdp.core.flat_param import build_layout
 from minifsdp.fsdp.core.handle import FlatParamHandle
-from minifsdp.fsdp.core.mixed_precision import MixedPrecision, cast_floating
-from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, prefetch
+from minifsdp.fsdp.core.mixed_precision import MixedPrecision, cast_buffers, cast_floating
+from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, can_prefetch
 from minifsdp.fsdp.core.state import TrainingState
-from minifsdp.fsdp.core.strategy import RESHARD_AFTER_FORWARD, ShardingStrategy, resolve_groups
+from minifsdp.fsdp.core.strategy import ShardingPlan, resolve_groups
 from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units
 from minifsdp.fsdp.core.wrap import recursive_wrap
 
@@ -50,26 +66,13 @@ from minifsdp.fsdp.core.wrap import recursive_wrap
 @dataclass
 class RootStep:
     """What only the root keeps: every unit below it, the order they ran in, this step's bookkeeping."""
-
-    units: list  # every unit under the root, the root first
+    # every unit under the root, the root first
+    units: list
     order: ExecutionOrder = field(default_factory=ExecutionOrder)
-    final_callback_queued: bool = False  # at most one final callback per backward
-    buffer_dtypes: dict = field(default_factory=dict)  # (id(module), name) -> dtype before buffer_dtype's cast
-
-
-def check_flattenable(module: nn.Module, params: list, mixed_requires_grad: bool = False) -> None:
-    """One flat parameter has one dtype and one ``requires_grad``: refuse a unit that mixes them."""
-    named = [(n, p) for n, p in module.named_parameters() if p in set(params)]
-    dtypes = {p.dtype: n for n, p in reversed(named)}  # each dtype's first parameter
-    if len(dtypes) > 1:
-        raise ValueError(f"FSDP unit mixes parameter dtypes ({', '.join(f'{n}: {d}' for d, n in dtypes.items())}); "
-                         "one flat parameter has one dtype (torch: 'Must flatten tensors with uniform dtype'). Cast "
-                         "the module to one dtype first (module.to(torch.float32)), or wrap the odd part in its unit.")
-    if not mixed_requires_grad and len({p.requires_grad for _, p in named}) > 1:
-        raise ValueError(f"FSDP unit mixes frozen ({', '.join(n for n, p in named if not p.requires_grad)[:80]}...) "
-                         "and trainable parameters; one flat parameter has one requires_grad. Pass "
-                         "use_orig_params=True, or wrap the frozen part in its own unit.")
-
+    # at most one final callback per backward
+    final_callback_queued: bool = False
+    # (id(module), name) -> dtype before buffer_dtype's cast
+    buffer_dtypes: dict = field(default_factory=dict)
 
 class FullyShardedDataParallel(Unit):
     """Shard ``module``'s parameters over ``process_group``; arguments named and meant as torch's.
@@ -77,109 +80,297 @@ class FullyShardedDataParallel(Unit):
     Args:
         module: the module to shard (all parameters and buffers on one device).
         process_group: the ranks to shard over (default: all); HYBRID_SHARD: ``(shard_group, replicate_group)``.
-        sharding_strategy: a :class:`ShardingStrategy`.
+        sharding_strategy: a :class:`ShardingStrategy` (None: FULL_SHARD, as torch); read as a :class:`ShardingPlan`.
         auto_wrap_policy: e.g. ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
         backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (torch's default), ``BACKWARD_POST`` or None.
         mixed_precision: a :class:`MixedPrecision` (fp32 shards, compute in ``param_dtype``).
-        forward_prefetch: prefetch in the forward too, in the first iteration's order.
-        limit_all_gathers: no prefetch while two non-root units' full parameters are alive.
+        forward_prefetch, limit_all_gathers: prefetch in the forward too; cap prefetching (``prefetch.py``).
         collectives: ``"torch"`` (torch.distributed's) or one of ours (``minifsdp.comm.COLLECTIVE_KINDS``).
+        extensions: this unit's :class:`~minifsdp.fsdp.core.extension.Extension` s (auto-wrapped units get none).
     """
 
-    def __init__(self, module: nn.Module, process_group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
-                 auto_wrap_policy=None, backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    # ================================================================== 0. wrap: flatten and shard
+    # torch: FullyShardedDataParallel.__init__ -> _init_utils.py's _init_param_handle_from_module.
+    def __init__(self, module: nn.Module, process_group=None, sharding_strategy=None, auto_wrap_policy=None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
                  mixed_precision: MixedPrecision | None = None, forward_prefetch: bool = False,
-                 limit_all_gathers: bool = True, collectives: str = "torch"):
+                 limit_all_gathers: bool = True, collectives: str = "torch", extensions=()):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("FSDP needs a process group: call dist.init_process_group first "
                                "(or run your function with minifsdp.spawn).")
-        self.groups = resolve_groups(sharding_strategy, process_group)
-        if sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) \
-                and self.groups.shard_size == 1:
-            warnings.warn("FSDP on 1 rank: nothing to shard, using NO_SHARD (as torch does)", stacklevel=2)
-            sharding_strategy = ShardingStrategy.NO_SHARD
-        self.sharding_strategy = sharding_strategy
-        self.comm = get_collectives(collectives)  # minifsdp.comm: ours or torch.distributed's, one interface
-        self.mixed_precision = mixed_precision
+        # what the strategy decides, as data (strategy.py)
+        plan = ShardingPlan.of(sharding_strategy)
+        self.groups = resolve_groups(plan, process_group)
+        self.plan = plan = plan.on(self.groups)
+        # (torch's attribute)
+        self.sharding_strategy = plan.strategy
+        # minifsdp.comm: ours or torch.distributed's, one interface
+        self.comm = get_collectives(collectives)
+        self.mixed_precision, self.limit_all_gathers = mixed_precision, limit_all_gathers
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
-        self.limit_all_gathers = limit_all_gathers
-        if auto_wrap_policy is not None:  # children first: each becomes a unit of the same kind
-            self._auto_wrap(module, auto_wrap_policy, dict(
-                process_group=process_group, sharding_strategy=sharding_strategy, backward_prefetch=backward_prefetch,
-                mixed_precision=mixed_precision, forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers, collectives=collectives))
-        self._fsdp_wrapped_module = module
-        self._handle = self._make_handle(module)
-        if self._handle is not None:
-            self._handle.take_over_params()
+        self._extensions = Extensions(extensions)
         self.training_state = TrainingState.IDLE
-        self._root: FullyShardedDataParallel | None = None  # set at the first forward (_init_root)
-        self._root_step: RootStep | None = None  # the root's only
-        self._sync_gradients = True  # False inside no_sync()
-        self._tracer = None  # a tools.tracing.Tracer while one is attached
-        self._post_backward_hook = None  # on the handle's gradient leaf, once it requires grad
+        if auto_wrap_policy is not None:  # children first (post-order): each takes its parameters before we do
+            kwargs = dict(process_group=process_group, sharding_strategy=plan.strategy, collectives=collectives,
+                          backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+                          forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
+            recursive_wrap(module, auto_wrap_policy, lambda m: type(self)(m, **kwargs), only_wrap_children=True)
+        self._fsdp_wrapped_module = module
+        self._handle = self._flatten(module)
+        if self._handle is not None:
+            # wrapped: the parameters are sharded, as after every reshard
+            self._extensions.after_reshard(self)
+        # set at the first forward (_lazy_init)
+        self._root: FullyShardedDataParallel | None = None
+        # the root's only
+        self._root_step: RootStep | None = None
+        # False inside no_sync(); the hook on the handle's gradient leaf, once the leaf requires grad:
+        self._sync_gradients, self._post_backward_handle = True, None
         self._register_post_backward_hook()
 
-    def _auto_wrap(self, module: nn.Module, policy, kwargs: dict) -> None:
-        recursive_wrap(module, policy, lambda m: type(self)(m, **kwargs), only_wrap_children=True)
-
-    def _make_handle(self, module: nn.Module) -> FlatParamHandle | None:
-        """The unit's own parameters (none that a nested unit took) in one flat parameter; None if none."""
+    def _flatten(self, module: nn.Module) -> FlatParamHandle | None:
+        """The unit's own parameters (none that a nested unit took) in one flat parameter; None if none.
+        After this, ``module.parameters()`` yields one 1-D shard where it yielded the originals."""
         taken = flattened_params(module)
         params = [p for p in module.parameters() if id(p) not in taken]
-        if not params:
+        layout = build_layout(module, params, self.groups.shard_size if self.plan.shards_params else 1) \
+            if params else None
+        for ext in self._extensions:  # torch's keywords may keep some out, or lay them out anew
+            layout = ext.on_wrap(self, layout)
+        if layout is None:
             return None
-        check_flattenable(module, params)
-        return FlatParamHandle(module, params, self.groups, self.sharding_strategy, self.comm, self.mixed_precision)
+        handle = FlatParamHandle(module, layout, self.groups, self.plan, self.comm, self.mixed_precision)
+        handle.take_over_params()
+        return handle
+
+    # ================================================================== 1. forward
+    # torch: FullyShardedDataParallel.forward: _root_pre_forward, _pre_forward, the module, _post_forward.
+    def forward(self, *args, **kwargs):
+        # a second forward before the backward
+        again = self.training_state is TrainingState.AWAITING_BACKWARD
+        args, kwargs = self._pre_forward(args, kwargs)
+        try:
+            out = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self._post_forward(again)
+        self._register_pre_backward_hooks(out)
+        self._extensions.after_forward(self, out)
+        return out
+
+    def _lazy_init(self) -> None:
+        """torch's ``_lazy_init``: the first forward makes this unit the root of every unit below it."""
+        step, names = RootStep(units(self)), {id(m): clean_name(n) or "root" for n, m in self.named_modules()}
+        self._root_step = step
+        for unit in step.units:
+            if unit._handle is not None:
+                # its module path, for messages and timelines
+                unit._handle.name = names[id(unit)]
+            if unit is not self and unit.is_root:
+                raise RuntimeError("a nested FSDP unit ran forward on its own before its parent; "
+                                   "call the outermost FSDP module")
+            # a plain reference, not a registered submodule (no cycle)
+            unit.__dict__["_root"] = self
+        # MixedPrecision.buffer_dtype, once
+        step.buffer_dtypes = cast_buffers(step.units)
+        self._extensions.on_lazy_init(self)
+
+    def _pre_forward(self, args, kwargs):
+        """torch's ``_root_pre_forward`` and ``_pre_forward``: cast the inputs, gather the parameters, and point
+        the module's names at them.  Why every forward?  Between uses this rank holds 1/N of them.
+
+        torch spreads this over ``_root_pre_forward`` (``_lazy_init``, the root's input cast), ``_pre_forward``
+        (record the order, the post-backward hook, cast inputs) and ``_pre_forward_unshard`` (gather unless
+        prefetched, make the compute stream wait for the all-gather's, forward prefetch).  Where torch makes a
+        stream wait, ours blocks in ``FlatParamHandle.wait_unshard`` until the all-gather's work is done."""
+        if self._root is None:
+            # the first unit to run forward is the root
+            self._lazy_init()
+        mp, h = self.mixed_precision, self._handle
+        if self.is_root and mp is not None and mp.cast_root_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+        if mp is not None and mp.cast_forward_inputs and h is not None:
+            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+        self._extensions.before_forward(self, args, kwargs)
+        if self.is_root and self.training_state is not TrainingState.AWAITING_BACKWARD:
+            # Full parameters kept since their gather (the root's; SHARD_GRAD_OP's under no_sync) are used
+            # again, unless an optimizer step changed their shard since: then they are stale, gather again.
+            for unit in self._root_step.units:
+                if unit._handle is not None and unit._handle.stale():
+                    unit._handle.reshard()
+        # a unit that has started to require grad since wrapping
+        self._register_post_backward_hook()
+        self.training_state = TrainingState.FORWARD
+        if h is not None:
+            step = self._root._root_step
+            step.order.record_pre_forward(self)
+            self._unshard()
+            if self._root.forward_prefetch:
+                self._prefetch(step.order.next_in_forward(self), in_backward=False)
+            # module.weight ... are views of the full buffer, as the module expects
+            h.use_unsharded_views()
+            self._extensions.after_unshard(self)
+        return args, kwargs
+
+    def _post_forward(self, again: bool) -> None:
+        """torch's ``_post_forward`` (``_post_forward_reshard`` decides alike): free the parameters if the plan
+        says so (never the root's: its backward comes at once, so freeing them would only gather them again)."""
+        h = self._handle
+        if h is not None:
+            # the backward runs in the reverse order
+            self._root._root_step.order.record_post_forward(self)
+            h.reshard(free=not self.is_root and self.plan.frees_after_forward)
+            self._extensions.after_reshard(self)
+        self.training_state = TrainingState.AWAITING_BACKWARD if again else TrainingState.IDLE
+
+    def _register_pre_backward_hooks(self, out) -> None:
+        """torch's ``_register_pre_backward_hooks``: autograd calls :meth:`_pre_backward_hook` when it reaches
+        one of the outputs, that is, just before it needs this unit's parameters again.  Why the outputs?
+        Autograd has no "this module's backward begins" event: an output's gradient is the first thing it gets."""
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward_hook)
+            if tensors:
+                self.training_state = TrainingState.AWAITING_BACKWARD
+
+    # ================================================================== 2. backward
+    # Autograd runs the units' backwards in the reverse of their forwards; FSDP acts at each one's two ends.
+    def _pre_backward_hook(self, grad):
+        """torch's ``_pre_backward_hook``: autograd reached one of this unit's outputs; gather its parameters
+        again (once per backward), and start gathering the next unit's early (BACKWARD_PRE).
+
+        Why queue the final callback here?  Autograd runs a callback queued during a backward once that whole
+        backward is done, and this is our first hook to fire in it (normally the root's, nearest the loss);
+        torch queues it the same way (``_register_post_backward_final_callback``)."""
+        root, step = self._root, self._root._root_step
+        if not step.final_callback_queued:  # the first pre-backward of this backward: the root's
+            step.final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._post_backward_final_callback)
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            # another of its outputs already brought it here
+            return None
+        self.training_state = TrainingState.PRE_BACKWARD
+        h = self._handle
+        if h is not None:
+            # the forward's views see the numbers again: the same storage (handle.py, Note)
+            self._unshard()
+            if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                self._prefetch(step.order.next_in_backward(self), in_backward=True)
+            self._extensions.after_unshard(self)
+            h.gradient.prepare()
+        return None
+
+    def _post_backward_hook(self) -> None:
+        """torch's ``_post_backward_hook``: autograd has summed this unit's full gradient (a hook on its leaf);
+        free the parameters, then reduce the gradient so each rank keeps the sum of its 1/N."""
+        h, step = self._handle, self._root._root_step
+        self.training_state = TrainingState.POST_BACKWARD
+        # torch's order: free the parameters, then the BACKWARD_POST prefetch, then reduce, so the next
+        # unit's all-gather is issued first.  Freeing them leaves the full gradient (its own tensor) in place.
+        self._post_backward_reshard()
+        if not self._sync_gradients:  # no_sync(): keep the full gradient, where zero_grad() can reach it
+            h.gradient.keep_unsharded()
+            self._extensions.after_reduce(self)
+            return
+        # At most one reduction in flight: finish the previous unit's (it had this unit's whole backward
+        # to complete), so its full gradient is freed now, not at the end of the backward.  torch on a GPU
+        # instead queues every reduction on one _post_backward_stream, which runs them in order, and makes the
+        # compute stream wait for that stream once, in _post_backward_final_callback.
+        for unit in [u for u in step.units if u is not self and u._handle is not None] + [self]:
+            unit._finish_reduction()
+        h.gradient.start_reduce()
+        if h.sharded and h.flat_param.device.type == "cpu":
+            # torch FSDP1 on CPU reduce-scatters synchronously in this hook: a unit's full gradient never
+            # outlives it (one in flight would hold it through the next unit's backward: +1 block at the peak).
+            self._finish_reduction()
+
+    def _post_backward_reshard(self) -> None:
+        """torch's ``_post_backward_reshard``: free the parameters (as the plan says), then the BACKWARD_POST
+        prefetch of the unit the backward needs next."""
+        self._handle.reshard(free=self._should_free_in_backward())
+        self._extensions.after_reshard(self)
+        if self._root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch(self._root._root_step.order.next_in_backward(self), in_backward=True)
+
+    def _should_free_in_backward(self) -> bool:
+        """torch's ``_should_free_in_backward``: a plan that frees after the backward does, except that under
+        no_sync a unit that keeps its parameters after the forward keeps them for the next micro-batch too
+        (why: ``strategy.py``, Note (no_sync))."""
+        return self.plan.frees_after_backward and (self._sync_gradients or self.plan.frees_after_forward)
+
+    # ================================================================== 3. end of backward
+    def _post_backward_final_callback(self) -> None:
+        """torch's ``_post_backward_final_callback`` (queued by the root's first pre-backward): autograd is done;
+        finish every reduction still in flight, free what is left, every unit back to IDLE.
+
+        torch's first makes the compute stream wait for the reduction streams, then ``_ExecOrderData.next_iter``,
+        then ``_catch_all_reshard`` and ``_finalize_params`` for every unit; ours waits unit by unit."""
+        step = self._root_step
+        for unit in step.units:
+            unit._catch_all_reshard()
+        step.final_callback_queued = False
+        step.order.end_iteration()
+
+    def _catch_all_reshard(self) -> None:
+        """torch's ``_catch_all_reshard`` and ``_finalize_params``, for this unit.
+
+        Why a catch-all?  A unit's post-backward hook runs only if its parameters got a gradient; one whose
+        pre-backward gathered them but whose parameters got none (its output reached the loss by a path that
+        skips them) would stay gathered into the next step."""
+        self.training_state = TrainingState.IDLE
+        if self._handle is not None:
+            self._finish_reduction()
+            self._handle.reshard(free=self._should_free_in_backward())
+            self._extensions.after_reshard(self)
+        self._extensions.after_backward(self)
+
+    # ================================================================== 4. the optimizer step
+    # Nothing to do: ``model.parameters()`` yields each unit's ``flat_param``, this rank's shard, and
+    # ``flat_param.grad`` holds the shard of the averaged gradient, so ``opt.step()`` updates 1/N of the
+    # model (and keeps 1/N of Adam's state) with no communication.  The next forward's all-gather shows
+    # every rank the updated parameters.
+
+    # ================================================================== helpers of the phases above
+    def _unshard(self) -> None:
+        """torch's ``_unshard``: gather this unit's parameters and wait for them."""
+        self._start_unshard()
+        self._handle.wait_unshard()
+
+    def _start_unshard(self, prefetch: bool = False) -> None:
+        """Issue the all-gather and return: the half of :meth:`_unshard` a prefetch runs (it waits later)."""
+        self._extensions.before_unshard(self, prefetch)
+        self._handle.start_unshard()
+
+    def _prefetch(self, target, in_backward: bool) -> None:
+        """torch's ``_prefetch_handle``: start ``target``'s all-gather now, if it needs one and the limit allows
+        (the unit makes its views in its own pre-forward: ``prefetch.py``, Note (views))."""
+        if can_prefetch(target, self._root._root_step.units, self._root.limit_all_gathers, in_backward):
+            target._start_unshard(prefetch=True)
+
+    def _finish_reduction(self) -> None:
+        """Wait for this unit's reduction in flight, if any, and tell the extensions its gradient is there."""
+        if self._handle.gradient.finish_reduce():
+            self._extensions.after_reduce(self)
 
     def _register_post_backward_hook(self) -> None:
+        """torch's ``_register_post_backward_hook``: call :meth:`_post_backward_hook` once autograd has
+        accumulated the unit's full gradient (a hook on the gradient leaf, ``handle.unsharded``).
+
+        Why after accumulation?  Autograd sums every use's contribution (each view, a tied weight's two names)
+        before the leaf's AccumulateGrad runs once, so this hook sees the whole gradient.  torch registers on
+        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``), once."""
         h = self._handle
-        if h is not None and h.unsharded.requires_grad and self._post_backward_hook is None:
-            # A weak reference: the hook lives in C++, where Python's garbage collector cannot see it,
-            # so a hook holding the unit would keep every dropped model alive.
+        if h is not None and h.unsharded.requires_grad and self._post_backward_handle is None:
+            # the hook lives in C++, unseen by Python's GC: it must not hold the unit
             unit = weakref.ref(self)
-            self._post_backward_hook = h.unsharded.register_post_accumulate_grad_hook(
-                lambda _leaf: post_backward(unit()))
+            self._post_backward_handle = h.unsharded.register_post_accumulate_grad_hook(
+                lambda _leaf: unit()._post_backward_hook())
 
-    @property
-    def module(self) -> nn.Module:
-        return self._fsdp_wrapped_module
-
-    @property
-    def flat_param(self) -> nn.Parameter | None:
-        """This unit's local 1-D shard (torch: ``_flat_param``); None if the unit owns no parameters."""
-        return self._handle.flat_param if self._handle is not None else None
-
-    @property
-    def is_root(self) -> bool:
-        """True for the unit whose forward ran first (known after the first forward)."""
-        return self._root is self
-
-    def attach_tracer(self, tracer) -> None:
-        """Report this unit's events to ``tracer`` (a ``tools.tracing.Tracer``), or stop with None."""
-        self._tracer = tracer
-        if self._handle is not None:
-            self._handle.tracer = tracer
-
-    summon_full_params = staticmethod(full_params.summon_full_params)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient norm over all shards (collective); returns the total norm, as torch."""
-        if self._root is None:  # before any forward: this unit is the root (torch's lazy init)
-            self._init_root()
-        return full_params.clip_grad_norm_(self, max_norm, norm_type)
-
-    def state_dict(self, *args, **kwargs):
-        """The full state dict: every parameter whole, under the plain model's names, on every rank."""
-        return full_params.full_state_dict(self)
-
-    def load_state_dict(self, state_dict, *args, **kwargs):
-        """Load a full state dict (plain names); each rank keeps its shard (torch's key checks: the public class)."""
-        full_params.load_full_state_dict(self, state_dict)
-
+    # ================================================================== outside the step
+    # (``module``, ``flat_param`` and ``is_root`` are the base class's: ``units.py``)
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate unsharded gradients locally, no communication; put the backward INSIDE the context.
@@ -193,94 +384,3 @@ class FullyShardedDataParallel(Unit):
         finally:
             for u, o in zip(inside, old):
                 u._sync_gradients = o
-
-    def _init_root(self) -> None:
-        """The first forward: this unit becomes the root of every unit below it."""
-        step = self._root_step = RootStep(units(self))
-        for name, unit in self.named_modules():
-            if isinstance(unit, Unit) and unit._handle is not None:
-                unit._handle.name = clean_name(name) or "root"
-        for unit in step.units:
-            if unit is not self and unit.is_root:
-                raise RuntimeError("a nested FSDP unit ran forward on its own before its parent; "
-                                   "call the outermost FSDP module")
-            unit.__dict__["_root"] = self  # a plain reference, not a registered submodule (no cycle)
-        claimed = set()  # (id(module), name): a buffer takes its own (innermost) unit's buffer_dtype
-        for unit in reversed(step.units):
-            mp = unit.mixed_precision
-            for m in unit.module.modules():
-                for name, b in m._buffers.items():
-                    if b is None or (id(m), name) in claimed:
-                        continue
-                    claimed.add((id(m), name))
-                    if mp is not None and mp.buffer_dtype is not None and b.is_floating_point() \
-                            and b.dtype != mp.buffer_dtype:
-                        step.buffer_dtypes[(id(m), name)] = b.dtype
-                        m._buffers[name] = b.to(mp.buffer_dtype)
-
-    def _root_pre_forward(self) -> None:
-        """A full buffer kept since its gather (the root's; SHARD_GRAD_OP's under no_sync) is used again,
-        unless an optimizer step changed its shard since: then it is stale, gather again."""
-        if self.training_state is not TrainingState.AWAITING_BACKWARD:
-            for unit in self._root_step.units:
-                if unit._handle is not None and unit._handle.stale():
-                    unit._handle.reshard()
-
-    def forward(self, *args, **kwargs):
-        again = self.training_state is TrainingState.AWAITING_BACKWARD  # a second forward before the backward
-        args, kwargs = self._pre_forward(args, kwargs)
-        h = self._handle
-        try:
-            tracer = self._tracer
-            with tracer.span("forward", h.name if h else "root") if tracer else contextlib.nullcontext():
-                out = self._fsdp_wrapped_module(*args, **kwargs)
-        finally:
-            self._post_forward(again)
-        if torch.is_grad_enabled():  # autograd will call pre_backward when it reaches these outputs
-            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(functools.partial(pre_backward, self))
-            if tensors:
-                self.training_state = TrainingState.AWAITING_BACKWARD
-        return out
-
-    def _pre_forward(self, args, kwargs):
-        """Gather this unit's parameters and point the module's names at them."""
-        if self._root is None:
-            self._init_root()  # the first unit to run forward is the root
-        mp, root, h = self.mixed_precision, self._root, self._handle
-        if self.is_root:
-            self._root_pre_forward()
-            if mp is not None and mp.cast_root_forward_inputs:
-                args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        if mp is not None and mp.cast_forward_inputs and h is not None:
-            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        self._register_post_backward_hook()  # a unit that has started to require grad since wrapping
-        self.training_state = TrainingState.FORWARD
-        if h is not None:
-            step = root._root_step
-            step.order.record_pre_forward(self)
-            h.unshard()
-            if root.forward_prefetch:
-                prefetch(step.order.next_in_forward(self), step.units, root.limit_all_gathers, in_backward=False)
-            h.use_unsharded_views(in_forward=True)
-        return args, kwargs
-
-    def _post_forward(self, again: bool) -> None:
-        """Free the parameters (FULL_SHARD, not the root's: its backward comes at once)."""
-        self.training_state = TrainingState.AWAITING_BACKWARD if again else TrainingState.IDLE
-        h = self._handle
-        if h is not None:
-            self._root._root_step.order.record_post_forward(self)
-            if h.casts_unsharded or (not self.is_root and self.sharding_strategy in RESHARD_AFTER_FORWARD):
-                h.reshard()  # (torch frees NO_SHARD's low-precision copy after every forward, the root's too)
-            h.after_forward()
-
-    def _finish_backward(self) -> None:
-        """The root's final callback, for this unit: its reduction done, its parameters freed, IDLE."""
-        self.training_state = TrainingState.IDLE
-        h = self._handle
-        if h is not None:
-            h.gradient.finish_reduce()
-            if frees_in_backward(self):
-                h.reshard()

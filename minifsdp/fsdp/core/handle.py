@@ -1,16 +1,28 @@
-"""One unit's parameters through a step: gather, use as views, free.
+"""One unit's parameters through a step: all-gather, use as views, free (``FlatParamHandle``).
 
-    forward    all-gather shards -> full flat buffer -> views as module.weight ... -> run
-               FULL_SHARD / HYBRID_SHARD: free the full buffer after (not the root's)
-    backward   pre-backward: all-gather again if freed; autograd sums every view's gradient
-               into the full flat gradient; post-backward: free, reduce (``gradient.py``)
+One unit's tensors, rank r of N, a sharded plan.  Three names, three tensors:
 
-One unit's buffers, rank r of N, FULL_SHARD:
-
-    flat_param       [ shard r ]                    nn.Parameter, what the optimizer steps
-    padded           [ s0 | s1 | ... | sN-1 ]       all-gather target; storage freed between uses
-    unsharded        [ s0 | s1 | ...   ]            autograd leaf = padded[:numel]; views come from it
+    flat_param       [ shard r ]                    the nn.Parameter the optimizer steps (1/N of the unit)
+    padded           [ s0 | s1 | ... | sN-1 ]       the all-gather's output: the full buffer with its padding;
+                                                    its storage is resized to 0 bytes between uses
+    unsharded        [ s0 | s1 | ...   ]            padded[:numel], the autograd leaf the views come from
     unsharded.grad   [ g ...           ]            summed by autograd, reduce-scattered, dropped
+
+``padded`` through one use (``state``: a :class:`HandleState`, ``state.py``):
+
+    start_unshard   storage resized to padded_numel elements; the all-gather issued      GATHERING
+    wait_unshard    the all-gather done: every rank's shard is in ``padded``              UNSHARDED
+                    (the forward or backward computes with views of ``unsharded``)
+    reshard         storage resized to 0 bytes: the tensor objects and their views stay,  SHARDED
+                    their memory goes (until the next start_unshard)
+
+torch's ``FlatParamHandle.unshard`` is ``_alloc_padded_unsharded_flat_param``, ``_all_gather_flat_param``
+and ``_use_unsharded_flat_param``; its ``reshard`` is ``_use_sharded_flat_param`` and
+``_free_unsharded_flat_param``, which resizes the storage to 0 as ours does (``_free_storage``).
+
+Why a separate leaf, not ``flat_param`` itself as torch does?  torch swaps ``flat_param.data``
+between the shard and the full buffer at each use; keeping the two apart makes each tensor mean
+one thing at every moment, at the cost of this Note:
 
 Note (freeing without breaking autograd): backward needs the tensors the forward saved
 (a Linear saves its weight view).  We free a full buffer by resizing its *storage* to 0
@@ -19,47 +31,43 @@ every saved view sees the numbers again.  ``unsharded`` gets its data by ``.data
 so has its own version counter: the all-gather writing into ``padded`` is invisible to
 autograd's "modified by an inplace operation" check, as in torch FSDP1.
 
-Note (NO_SHARD): nothing to gather; ``unsharded`` *is* ``flat_param`` and its gradient is
-all-reduced in place.  With ``MixedPrecision(param_dtype=...)`` the compute copy is a
-*cast* of ``flat_param`` instead (``casts_unsharded``), made at each use and freed after
-it, as torch's ``_mp_shard``.
+Note (NO_SHARD): nothing to gather; ``unsharded`` *is* ``flat_param``, its gradient all-reduced in
+place.  With ``MixedPrecision(param_dtype=...)`` the compute copy is a *cast* of ``flat_param``
+(``casts_unsharded``), made at each use and freed after it, as torch's ``_mp_shard``.
 
-Note (one job): the handle owns a unit's tensors and the collectives that move them; it
-never calls back into its unit.  The unit (``fsdp.py``) decides *when*; the handle reports
-what it did to an attached tracer and nothing else.  ``use_orig_params=True`` (views of
-the original parameters) is a subclass chosen at wrap time: ``minifsdp/fsdp/orig_params.py``.
+Note (one job): the handle owns a unit's tensors and the collectives that move them, and never calls
+back into its unit: the step (``fsdp.py``) decides *when*.  torch's counterpart: ``FlatParamHandle``
+(``_flat_param.py``: ``unshard``, ``reshard``, ``_use_unsharded_views``, ``_use_sharded_views``).
 """
-
-import contextlib
 
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp.core.flat_param import build_layout, flatten, shard, unflatten
+from minifsdp.fsdp.core.flat_param import FlatParamLayout, flatten, shard, unflatten
 from minifsdp.fsdp.core.gradient import UnitGradient
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
 from minifsdp.fsdp.core.state import HandleState
-from minifsdp.fsdp.core.strategy import SHARDED, ShardGroups, ShardingStrategy
 
 
 class FlatParamHandle:
     """One unit's flat parameter: layout, local shard, full buffer; ``comm`` from ``get_collectives``."""
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: ShardGroups,
-                 strategy: ShardingStrategy, comm, mixed_precision: MixedPrecision | None = None,
-                 align_numel: int = 0):
-        self.module, self.groups, self.strategy, self.comm = module, groups, strategy, comm
-        self.sharded = strategy in SHARDED  # fixed at wrap time, as the two below
-        n = groups.shard_size if self.sharded else 1
+    def __init__(self, module: nn.Module, layout: FlatParamLayout, groups, plan, comm,
+                 mixed_precision: MixedPrecision | None = None):
+        dtypes = {s.param.dtype: s.fqn for s in reversed(layout.slots)}  # each dtype's first parameter
+        if len(dtypes) > 1:  # torch: "Must flatten tensors with uniform dtype"
+            raise ValueError(f"FSDP unit mixes parameter dtypes ({', '.join(f'{n}: {d}' for d, n in dtypes.items())})"
+                             "; one flat parameter has one dtype. Cast the module to one dtype first "
+                             "(module.to(torch.float32)), or wrap the odd part in its own unit.")
+        self.module, self.layout, self.groups, self.plan, self.comm = module, layout, groups, plan, comm
+        self.sharded, self.mixed_precision = plan.shards_params, mixed_precision  # fixed at wrap time
         self.rank = groups.shard_rank if self.sharded else 0
-        self.mixed_precision = mixed_precision
-        self.dtypes = resolve_dtypes(mixed_precision, params[0].dtype)
+        self.dtypes = resolve_dtypes(mixed_precision, layout.slots[0].param.dtype)
         self.casts_unsharded = self.dtypes.casts_params and not self.sharded  # NO_SHARD: cast, no gather
         self.frees = self.sharded or self.casts_unsharded  # the compute buffer is freed between uses
-        self.layout = build_layout(module, params, n, align_numel)
-        full = flatten(self.layout)
-        requires_grad = any(p.requires_grad for p in params)
-        self.flat_param = nn.Parameter(shard(full, self.rank, n), requires_grad=requires_grad)  # n = 1: all
+        full = flatten(layout)
+        requires_grad = any(s.requires_grad for s in layout.slots)
+        self.flat_param = nn.Parameter(shard(full, self.rank, layout.world_size), requires_grad=requires_grad)
         if self.frees:
             del full  # first: at most one unit-sized copy beside the originals
             self.unsharded = torch.empty(0, dtype=self.dtypes.param, device=self.flat_param.device)
@@ -69,10 +77,9 @@ class FlatParamHandle:
         else:
             self.unsharded = self.padded = self.flat_param
             self.state = HandleState.UNSHARDED
-        self.gathering = None  # while GATHERING: (work, the local shard being sent)
-        self.gathered_from = None  # shard_version() at the last gather: an optimizer step since makes it stale
-        self.name = "unit"  # its module path, set by the root (for the tracer)
-        self.tracer = None  # a tools.tracing.Tracer while one is attached
+        # while GATHERING (work, the shard being sent); shard_version() at the last gather (stale() reads it):
+        self.gathering = self.gathered_from = None
+        self.name = "unit"  # its module path, set by the root (for messages and traces)
         self.gradient = UnitGradient(self)
 
     def new_full_buffer(self) -> torch.Tensor:
@@ -81,10 +88,6 @@ class FlatParamHandle:
         self.unsharded.data = padded[: self.layout.numel]  # own version counter: see Note
         padded.untyped_storage().resize_(0)  # starts freed
         return padded
-
-    def span(self, kind: str):
-        """Record ``kind`` on the attached tracer from enter to exit (nothing without one)."""
-        return self.tracer.span(kind, self.name) if self.tracer is not None else contextlib.nullcontext()
 
     def take_over_params(self) -> None:
         """The originals leave their modules (no full-size copy kept) and the wrapped module registers
@@ -97,12 +100,13 @@ class FlatParamHandle:
         self.use_sharded_views()
         self.module.register_parameter("_flat_param", self.flat_param)  # torch's name
 
+    # ------------------------------------------------------------------ gather and free
     def unshard(self) -> None:
         """All-gather the shards into the full buffer (nothing if already there); waits."""
         self.start_unshard()
         self.wait_unshard()
 
-    def start_unshard(self, prefetch: bool = False) -> None:
+    def start_unshard(self) -> None:
         """Issue the all-gather (async); with mixed precision, of the shard cast to the compute dtype."""
         if self.stale():
             self.reshard()  # kept since its gather, but an optimizer step changed the shard since
@@ -114,9 +118,8 @@ class FlatParamHandle:
             self.padded.copy_(self.flat_param.data)
             self.state = HandleState.UNSHARDED
             return
-        if self.tracer is not None:
-            self.tracer.instant("all-gather issued", self.name, prefetch=prefetch)
         local = self.flat_param.data
+        # torch casts the same way before its gather: FlatParamHandle.pre_unshard -> _use_low_precision_shard
         if self.padded.dtype != local.dtype:
             local = local.to(self.padded.dtype)  # one rounding, on 1/N of the numbers
         work = self.comm.all_gather(self.padded, local, group=self.groups.shard, async_op=True)
@@ -125,96 +128,52 @@ class FlatParamHandle:
 
     def wait_unshard(self) -> None:
         if self.state is HandleState.GATHERING:
-            with self.span("all-gather wait"):
-                self.gathering[0].wait()
+            self.gathering[0].wait()
             self.gathering = None
             self.state = HandleState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Free the full buffer (sharded strategies, or NO_SHARD's low-precision copy)."""
+    def reshard(self, free: bool = True) -> None:
+        """Free the full buffer if ``free``; NO_SHARD's low-precision compute copy is freed every time
+        (torch's ``FlatParamHandle.reshard(free_unsharded_flat_param)`` and ``post_reshard``)."""
         self.wait_unshard()  # never free a buffer an all-gather is still writing
-        if self.frees and self.state is HandleState.UNSHARDED:
+        if self.frees and self.state is HandleState.UNSHARDED and (free or self.casts_unsharded):
             self.padded.untyped_storage().resize_(0)
             self.state = HandleState.SHARDED
 
     def shard_version(self) -> tuple[int, ...]:
-        """The local shard's version counter(s): an in-place update (an optimizer step) bumps them."""
-        return (self.flat_param._version,)
+        """The version counters of what the optimizer steps: an in-place update (an optimizer step) bumps one."""
+        return (self.flat_param._version, *(p._version for p in self.optimizer_params() if p is not self.flat_param))
 
     def stale(self) -> bool:
         """The full buffer is there, but the shard changed since it was gathered."""
         return self.frees and self.state is not HandleState.SHARDED and self.gathered_from != self.shard_version()
 
-    @contextlib.contextmanager
-    def full_precision(self):
-        """summon_full_params under mixed precision: gather the fp32 shards into a fp32 buffer; the
-        low-precision buffer and its autograd leaf (with its hook) are set aside and put back."""
-        if not self.dtypes.casts_params:
-            yield
-            return
-        self.reshard()
-        low = self.padded, self.unsharded
-        self.padded = torch.empty(self.layout.padded_numel, dtype=self.dtypes.orig, device=self.flat_param.device)
-        self.unsharded = self.padded[: self.layout.numel]
-        try:
-            yield
-        finally:
-            self.reshard()
-            self.padded, self.unsharded = low
-
-    def use_unsharded_views(self, in_forward: bool = False) -> None:
-        """Forward and backward: every original name is a view of the full buffer (autograd flows to it); a
-        tied weight's second name gets the *same* view, so both uses' gradients sum."""
+    # ------------------------------------------------------------------ where the module's names point
+    def use_unsharded_views(self) -> None:
+        """Forward: every original name is a view of the full buffer (autograd flows to it); a tied weight's
+        second name gets the *same* view, so both uses' gradients sum."""
         views = unflatten(self.unsharded, self.layout)
-        for slot, v in zip(self.layout.slots, views):
-            setattr(slot.module, slot.name, v)  # a plain attribute (the name is no registered parameter)
+        for slot, v in zip(self.layout.slots, views):  # plain attributes, through setattr: a module that
+            setattr(slot.module, slot.name, v)  # overrides __setattr__ sees every switch, as under torch
         for sh in self.layout.shared:
             setattr(sh.module, sh.name, views[sh.primary])
 
     def use_sharded_views(self) -> None:
-        """Between uses: every original name is an empty tensor (no stale view of a freed buffer)."""
+        """At wrap time and after ``summon_full_params`` (``minifsdp/fsdp/full_params.py``): every original
+        name is an empty tensor (no stale view)."""
         empty = self.flat_param.data.new_empty(0)
         for slot in self.layout.slots + self.layout.shared:
             setattr(slot.module, slot.name, empty)
 
-    # Where the names point around a use: here nothing changes (the forward's views see the numbers again
-    # when the backward gathers into the same storage); use_orig_params (orig_params.py) switches them.
-    def after_forward(self) -> None: ...
-    def before_backward(self) -> None: ...
-    def after_backward(self) -> None: ...
-
-    def use_full_params(self) -> None:
-        """summon_full_params: every original name is an ``nn.Parameter`` of its full shape, sharing the full
-        buffer's memory outside autograd (an edit lands in it; :meth:`write_back` copies it into the shard)."""
-        self.module._parameters.pop("_flat_param")  # torch shows the originals, not the flat parameter
-        views = unflatten(self.unsharded.detach(), self.layout)
-        params = [nn.Parameter(v, requires_grad=slot.requires_grad) for slot, v in zip(self.layout.slots, views)]
-        for slot, p in zip(self.layout.slots, params):
-            slot.module.__dict__.pop(slot.name, None)  # the plain attribute would hide the registered one
-            slot.module._parameters[slot.name] = p
-        for sh in self.layout.shared:
-            sh.module.__dict__.pop(sh.name, None)
-            sh.module._parameters[sh.name] = params[sh.primary]
-
-    def drop_full_params(self) -> None:
-        """Undo :meth:`use_full_params`."""
-        for slot in self.layout.slots + self.layout.shared:
-            slot.module._parameters.pop(slot.name, None)
-        self.use_sharded_views()
-        self.module.register_parameter("_flat_param", self.flat_param)
-
+    # ------------------------------------------------------------------ what the optimizer and checkpoints read
     def optimizer_params(self) -> list[nn.Parameter]:
-        """What the optimizer steps for this unit (``model.parameters()`` yields it): the flat shard."""
-        return [self.flat_param]
+        """What the optimizer steps (``model.parameters()`` yields it): the flat shard; or, where an extension
+        keeps the originals (``slot.param``) as views of it, those."""
+        kept = [s.param for s in self.layout.slots if s.param is not None]
+        return kept or [self.flat_param]
 
     def local_pieces(self) -> list[tuple[int, int]]:
         """For each slot, the [lo, hi) of this rank's ``flat_param`` it covers."""
         if self.sharded:
             return self.layout.local_pieces(self.rank)
         return [(s.offset, s.offset + s.numel) for s in self.layout.slots]
-
-    def write_back(self) -> None:
-        """Copy the local part of the full buffer back into the shard (after summon_full_params edits)."""
-        if self.frees and self.state is HandleState.UNSHARDED:
-            start, end = self.layout.shard_range(self.rank)
-            self.flat_param.data.copy_(self.padded[start:end])

@@ -1,7 +1,7 @@
 """Three small state machines: where a unit is in its step, what its parameters hold, where its gradient is.
 
-FSDP's hooks fire from autograd in an order the user's model decides; each state says
-what a hook may do next (as torch FSDP2's ``TrainingState``).
+FSDP's hooks fire from autograd in an order the user's model decides; each state says what a hook
+may do next (as torch's ``TrainingState``).
 
 A unit's step (``FullyShardedDataParallel.training_state``):
 
@@ -12,15 +12,31 @@ A unit's step (``FullyShardedDataParallel.training_state``):
     root's final callback (end of backward): every unit --> IDLE
     summon_full_params: IDLE --> SUMMON_FULL_PARAMS --> IDLE
 
-Its parameters (``FlatParamHandle.state``):
+Its parameters (``FlatParamHandle.state``, ``handle.py``):
 
     SHARDED --start_unshard--> GATHERING --wait_unshard--> UNSHARDED --reshard--> SHARDED
+    (a plan that keeps them, or the root after its forward: UNSHARDED until the backward's reshard)
 
-Its gradient (``UnitGradient.state``):
+Its gradient (``UnitGradient.state``, ``gradient.py``):
 
     SHARD --backward, synced--> REDUCING --finish_reduce--> SHARD
       |                                                       ^
       +--backward inside no_sync()--> UNSHARDED --next synced backward--+
+
+One non-root FULL_SHARD unit through a synced step, its three states side by side:
+
+    moment            training_state      FlatParamHandle.state       UnitGradient.state
+    pre-forward       FORWARD             (GATHERING ->) UNSHARDED    SHARD
+    post-forward      AWAITING_BACKWARD   SHARDED                     SHARD
+    pre-backward      PRE_BACKWARD        (GATHERING ->) UNSHARDED    SHARD
+    post-backward     POST_BACKWARD       SHARDED                     REDUCING (until the next unit's
+    final callback    IDLE                SHARDED                     SHARD     post-backward or the end)
+
+torch (``_common_utils.py``) splits the first into ``TrainingState`` per FSDP instance (IDLE,
+FORWARD_BACKWARD, SUMMON_FULL_PARAMS) and ``HandleTrainingState`` per handle (IDLE, FORWARD, BACKWARD_PRE,
+BACKWARD_POST, SUMMON_FULL_PARAMS); its handle is IDLE again between forward and backward, where ours says
+AWAITING_BACKWARD.  The other two torch reads off tensor sizes: ``FlatParamHandle.needs_unshard`` checks the
+full buffer's storage size, ``prepare_gradient_for_backward`` compares ``.grad``'s size with the shard's.
 """
 
 from enum import Enum, auto
@@ -34,12 +50,10 @@ class TrainingState(Enum):
     POST_BACKWARD = auto()  # its full gradient went to the reduce-scatter
     SUMMON_FULL_PARAMS = auto()  # inside summon_full_params: full parameters, outside autograd
 
-
 class HandleState(Enum):
     SHARDED = auto()  # the full buffer's storage is 0 bytes: this rank holds its 1/N shard only
     GATHERING = auto()  # an all-gather into the full buffer is in flight (e.g. a prefetch)
     UNSHARDED = auto()  # the full buffer holds every rank's shard: the whole flat parameter
-
 
 class GradState(Enum):
     SHARD = auto()  # in flat_param.grad as this rank's reduced shard (or None): what the optimizer steps

@@ -12,10 +12,9 @@ bound with ``functools.partial``:
       ln_f, lm_head
 
 It is asked twice per module, as in torch: ``recurse=True`` "look inside its children?",
-``recurse=False`` "wrap this module?" with ``nonwrapped_numel``, the parameters no wrapped
-child has claimed.  The walk is post-order (children first), so a nested unit takes its
-parameters before its parent builds its flat parameter.  torch's own policies work here too
-(and ``size_based_auto_wrap_policy``, ``minifsdp/fsdp/torch_options.py``).
+``recurse=False`` "wrap this module?" with ``nonwrapped_numel``, the parameters no wrapped child
+has claimed.  The walk is post-order (children first), so a nested unit takes its parameters before
+its parent builds its flat parameter.  torch's own policies work here too.
 """
 
 from typing import Callable
@@ -28,28 +27,25 @@ from minifsdp.fsdp.core.units import flattened_params, is_unit
 def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                                  transformer_layer_cls: set[type]) -> bool:
     """Wrap every instance of the given block classes (e.g. ``{Block}``); always look inside."""
-    if recurse:
-        return True
-    return isinstance(module, tuple(transformer_layer_cls))
-
+    return recurse or isinstance(module, tuple(transformer_layer_cls))
 
 def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Module], nn.Module],
-                   only_wrap_children: bool = False, ignored=frozenset()) -> tuple[nn.Module, int]:
+                   only_wrap_children: bool = False) -> tuple[nn.Module, int]:
     """Wrap ``module``'s subtree where ``policy`` says so; returns (module or its wrapper, numel wrapped).
-    ``ignored``: modules FSDP leaves alone (never wrapped or looked into, parameters not counted)."""
-    if is_unit(module) or module in ignored:
+    torch's ``_recursive_wrap`` (``torch/distributed/fsdp/wrap.py``), without the modules torch's
+    keywords keep out (``minifsdp/fsdp/torch_options.py`` walks with those)."""
+    if is_unit(module):
         return module, 0
-    skip = flattened_params(module) | {id(p) for m in ignored for p in m.parameters()}
-    nonwrapped = sum(p.numel() for p in module.parameters() if id(p) not in skip)
+    taken = flattened_params(module)
+    nonwrapped = sum(p.numel() for p in module.parameters() if id(p) not in taken)
     if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
         return module, 0
     wrapped_numel = 0
     for name, child in module.named_children():
-        new_child, n = recursive_wrap(child, policy, wrap, ignored=ignored)
+        new_child, n = recursive_wrap(child, policy, wrap)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += n
-    remainder = nonwrapped - wrapped_numel
-    if not only_wrap_children and policy(module=module, recurse=False, nonwrapped_numel=remainder):
+    if not only_wrap_children and policy(module=module, recurse=False, nonwrapped_numel=nonwrapped - wrapped_numel):
         return wrap(module), nonwrapped
     return module, wrapped_numel

@@ -24,7 +24,7 @@ from torch.testing._internal.common_fsdp import check_sharded_parity
 from torch.testing._internal.common_utils import TestCase
 
 import minifsdp.fsdp2 as ours
-import minifsdp.fsdp2.param_group as ours_group
+import minifsdp.fsdp2.core.param_group as ours_group
 from tests.torch_suite import _harness as H
 from tests.torch_suite import _workers as W
 

@@ -24,7 +24,7 @@ from torch.distributed._composable import checkpoint, replicate
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import RegisterPostBackwardFunction
 from torch.testing._internal.common_fsdp import MLP
 
-import minifsdp.fsdp2.param_group as ours_group
+import minifsdp.fsdp2.core.param_group as ours_group
 from tests.torch_suite.fsdp2 import _side as S
 
 

@@ -1,0 +1,1 @@
+"""Project HYBRID_SHARD: see README.md beside this file."""

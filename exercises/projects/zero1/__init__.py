@@ -1,0 +1,1 @@
+"""Project ZeRO-1: see README.md beside this file."""

@@ -1,0 +1,1 @@
+"""The reference solutions of the course's projects (left out of the student edition)."""

@@ -1,0 +1,1 @@
+"""Reference solution of project-hybrid."""

@@ -1,0 +1,285 @@
+"""Chapters 2.3 and 2.4, at real scale: what one training step holds and sends per rank, before you pay for it.
+
+``python -m minifsdp plan`` prints this module's answer for a model (:mod:`minifsdp.memory.plan_shapes`)
+and a run (:class:`Run`).  Every number is a function of shapes, counted the way FSDP lays the bytes out:
+
+    model_state(shape, run)   parameters, gradients, optimizer state per rank (the census at rest, exactly)
+    collectives(shape, run)   every collective of one step: bytes this rank sends (count_bytes(), exactly)
+    moments(shape, run)       the bytes alive at each point of the step where the peak can fall
+    peak(shape, run)          the largest of those, and where in the step it is
+
+Note (which 16 bytes per parameter): with fp32 AdamW, a parameter costs 4 (itself) + 4 (its gradient) + 8
+(Adam's two moments) = 16 bytes.  torch's ``MixedPrecision`` keeps the same 16: the sharded parameter stays
+fp32 (it is the master copy) and only the gathered copy and the activations are 16-bit.  The ZeRO paper's
+16Ψ is a different sum, mixed-precision Adam: 2 (fp16 parameter) + 2 (fp16 gradient) + 12 (fp32 master, m,
+v).  Equal totals, different parts, so FSDP's sharded numbers are not the paper's stage 1-3 rows.
+
+Note (what the exact numbers include): FSDP pads each unit's flat parameter to a multiple of the shard group
+(``sharded_numel``), and the padding is stored like any element: in the parameter, its gradient and both
+moments, and it travels in every all-gather and reduce-scatter.  AdamW keeps a 4-byte ``step`` per tensor it
+optimizes (one per unit for FSDP).  DDP (torch's and ours) keeps its gradient buckets between steps, a second
+copy of the gradients.  FULL_SHARD does not free the root unit after its forward (the backward starts
+there), so the root is gathered once, every other unit twice.
+
+Note (when a unit's parameters are freed): in the backward, autograd first computes each parameter's
+gradient (the pieces), then concatenates them into the unit's flat gradient.  torch FSDP1 frees the gathered
+parameters after that, so the concatenation sits on top of them (gathered + pieces + flat); minifsdp's FSDP
+frees them as soon as autograd has every piece, before the concatenation (``register_free_before_concat``
+in ``minifsdp/fsdp/core/backward.py``).  ``Run(frees_before_concat=...)`` picks; torch's is the default.
+
+One step of FULL_SHARD with BACKWARD_PRE, the moments ``moments`` evaluates (units: root, blocks 0..L-1)::
+
+    forward    gather root | gather b0, run, free | ... | head + loss     activations pile up
+    backward   loss grads  <- root and b(L-1) gathered, every activation alive: usually the peak
+               b(L-1) .. b0: gather the next (prefetch), gradient whole, reduce-scatter, free
+    optimizer  every gradient shard alive, plus foreach AdamW's one temporary (sqrt of v)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minifsdp.comm.ring import chunk_bounds
+from minifsdp.memory.plan_shapes import ModelShape
+
+__all__ = ["Run", "Collective", "STRATEGIES", "model_state", "collectives", "bytes_sent", "moments", "peak",
+           "ring_all_reduce_sent"]
+
+STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
+LOW_PRECISION = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of the gathered parameters, activations, reductions
+DDP_BUCKET_BYTES = 25 * 2**20  # bucket_cap_mb=25, torch's default and ours
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "ddp_buckets", "unsharded_parameters",
+              "unsharded_gradients", "activations", "temporaries")
+
+
+@dataclass(frozen=True)
+class Run:
+    """How the model is trained: ranks, strategy, precision, optimizer, batch per rank, wrapping."""
+
+    world_size: int
+    strategy: str = "FULL_SHARD"
+    precision: str = "fp32"  # fp32 | bf16 | fp16: MixedPrecision(param_dtype=reduce_dtype=that), fp32 master
+    optimizer: str = "adamw"  # adamw | sgd (with momentum)
+    batch: int = 1  # sequences per rank
+    seq: int = 0  # tokens per sequence; 0: the model's context length
+    activation_checkpointing: bool = False
+    wrap: str = "layer"
+    gpus_per_node: int = 8
+    backward_prefetch: bool = True  # BackwardPrefetch.BACKWARD_PRE, FSDP's default
+    frees_before_concat: bool = False  # minifsdp's FSDP: True (Note (when a unit's parameters are freed))
+
+    def __post_init__(self):
+        object.__setattr__(self, "strategy", str(self.strategy).upper().replace("SHARDINGSTRATEGY.", ""))
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}.")
+        if self.precision not in LOW_PRECISION:
+            raise ValueError(f"unknown precision {self.precision!r}; use fp32, bf16 or fp16.")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd.")
+        if min(self.world_size, self.batch, self.gpus_per_node) < 1 or self.seq < 0:
+            raise ValueError(f"world size, batch and GPUs per node must be positive, got {self.world_size}, "
+                             f"{self.batch}, {self.gpus_per_node}.")
+        if self.strategy == "HYBRID_SHARD" and self.world_size % self.gpus_per_node:
+            raise ValueError(f"HYBRID_SHARD shards inside a node: world size {self.world_size} is not a multiple "
+                             f"of {self.gpus_per_node} GPUs per node; use a multiple of it, or --gpus-per-node "
+                             f"that divides {self.world_size}.")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one unit is split over: N (FULL_SHARD, SHARD_GRAD_OP), a node (HYBRID_SHARD), 1 (replicated)."""
+        if self.strategy in ("DDP", "NO_SHARD") or self.world_size == 1:
+            return 1
+        return self.gpus_per_node if self.strategy == "HYBRID_SHARD" else self.world_size
+
+    @property
+    def fsdp(self) -> bool:
+        return self.strategy != "DDP"
+
+    @property
+    def low_bytes(self) -> int:
+        return LOW_PRECISION[self.precision]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the step, seen from one rank."""
+
+    kind: str  # "all-gather" | "reduce-scatter" | "all-reduce"
+    phase: str  # "forward" | "backward"
+    unit: int  # index into unit_numels (DDP: the bucket)
+    numel: int  # elements of the whole collective (the padded unit, a shard, a bucket)
+    group_size: int
+    bytes_sent: int  # by this rank
+    across_nodes: bool  # whether its ring leaves the node (then the slower link bounds it)
+
+
+def ring_all_reduce_sent(numel: int, n: int, rank: int, itemsize: int) -> int:
+    """Bytes ``rank`` sends in a ring all-reduce of ``numel`` elements over ``n`` ranks: every chunk but its own
+    in the reduce-scatter, every chunk but the next rank's in the all-gather (``minifsdp.comm.ring``)."""
+    if n == 1:
+        return 0
+    sizes = [b - a for a, b in chunk_bounds(numel, n)]
+    return (2 * numel - sizes[rank % n] - sizes[(rank + 1) % n]) * itemsize
+
+
+def _ddp_buckets(shape: ModelShape) -> list[int]:
+    """Elements of each DDP bucket: tensors in reverse order, a bucket closed once it holds 25 MiB (fp32)."""
+    buckets, size = [], 0
+    for numel in reversed([n for unit in shape.tensor_numels() for n in unit]):
+        size += numel
+        if 4 * size >= DDP_BUCKET_BYTES:
+            buckets.append(size)
+            size = 0
+    return buckets + ([size] if size else [])
+
+
+def _shards(shape: ModelShape, run: Run) -> list[int]:
+    """Elements of this rank's piece of each unit: ceil(unit / shard group), padding included."""
+    g = run.shard_size
+    return [math.ceil(u / g) for u in shape.unit_numels(run.wrap)]
+
+
+def model_state(shape: ModelShape, run: Run) -> dict[str, int]:
+    """Bytes per rank after ``optimizer.step()``: parameters, gradients, optimizer state (exact), and beside
+    them the buffers and DDP's buckets (the census at rest is their sum)."""
+    if run.fsdp:
+        elements = sum(_shards(shape, run))
+        optimized = sum(1 for u in shape.unit_numels(run.wrap) if u)  # one flat parameter per unit
+    else:
+        elements, optimized = shape.params, sum(len(unit) for unit in shape.tensor_numels())
+    per_element, step = (8, 4) if run.optimizer == "adamw" else (4, 0)  # AdamW: m, v and a step per tensor
+    out = {"parameters": 4 * elements, "gradients": 4 * elements,
+           "optimizer_state": per_element * elements + step * optimized}
+    out["model_state"] = sum(out.values())
+    out["buffers"] = _buffer_bytes(shape)
+    out["ddp_buckets"] = 0 if run.fsdp else 4 * shape.params
+    out["at_rest"] = out["model_state"] + out["buffers"] + out["ddp_buckets"]
+    return out
+
+
+def _buffer_bytes(shape: ModelShape) -> int:
+    if shape.arch == "gpt":  # one causal mask (bool, seq x seq) per attention layer
+        return shape.layers * shape.seq * shape.seq
+    if shape.arch == "llama":  # the rotary embedding's inverse frequencies (fp32)
+        return shape.hidden // shape.heads // 2 * 4
+    return 0
+
+
+def collectives(shape: ModelShape, run: Run, rank: int = 0) -> list[Collective]:
+    """Every collective one step issues, in order, with the bytes ``rank`` sends (our ring's, exactly)."""
+    n, g, low = run.world_size, run.shard_size, run.low_bytes
+    if n == 1:
+        return []
+    whole = n <= run.gpus_per_node  # all ranks inside one node
+    if not run.fsdp:  # gradients stay fp32 under autocast; one all-reduce per bucket, after the backward's grads
+        return [Collective("all-reduce", "backward", i, b, n, ring_all_reduce_sent(b, n, rank, 4), not whole)
+                for i, b in enumerate(_ddp_buckets(shape))]
+    units = shape.unit_numels(run.wrap)
+    if run.strategy == "NO_SHARD":
+        return [Collective("all-reduce", "backward", i, u, n, ring_all_reduce_sent(u, n, rank, low), not whole)
+                for i, u in reversed(list(enumerate(units)))]
+    inside = g <= run.gpus_per_node
+    out = [Collective("all-gather", "forward", i, s * g, g, s * (g - 1) * low, not inside)
+           for i, s in enumerate(_shards(shape, run))]
+    root = shape.root_is_a_unit(run.wrap)
+    for i, s in reversed(list(enumerate(_shards(shape, run)))):
+        if run.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not (root and i == 0):  # freed after forward
+            out.append(Collective("all-gather", "backward", i, s * g, g, s * (g - 1) * low, not inside))
+        out.append(Collective("reduce-scatter", "backward", i, s * g, g, s * (g - 1) * low, not inside))
+        if run.strategy == "HYBRID_SHARD" and n > g:  # the shard's gradient, summed across the nodes
+            out.append(Collective("all-reduce", "backward", i, s, n // g,
+                                  ring_all_reduce_sent(s, n // g, rank // g, low), True))
+    return out
+
+
+def bytes_sent(shape: ModelShape, run: Run, rank: int = 0) -> int:
+    """Bytes ``rank`` sends in one step (the sum of :func:`collectives`)."""
+    return sum(c.bytes_sent for c in collectives(shape, run, rank))
+
+
+# ---- the step, moment by moment ----------------------------------------------------------------------------
+
+
+def _activations(shape: ModelShape, run: Run) -> tuple[list[int], int, int, int]:
+    """(bytes each non-root unit keeps for its backward, bytes one block holds while it runs or is recomputed,
+    the root's (embeddings, head, loss), one gradient flowing between units)."""
+    seq, b = run.seq or shape.seq, run.low_bytes
+    per_unit = shape.saved_per_unit(run.batch, seq, b)
+    full = max(per_unit, default=0)
+    if run.activation_checkpointing and shape.arch != "mlp":  # a checkpointed block keeps only its input
+        per_unit = [run.batch * seq * shape.hidden * b] * len(per_unit)
+    root = sum(shape.saved_in_root(run.batch, seq, b).values())
+    return per_unit, full, root, shape.flow_bytes(run.batch, seq, b)
+
+
+def moments(shape: ModelShape, run: Run) -> list[tuple[str, dict[str, int]]]:
+    """(where, bytes by category) at each point of one step where the peak can fall, in step order.
+
+    The step starts after ``optimizer.zero_grad()`` (torch's default: gradients to None), so the gradient
+    shards appear unit by unit in the backward.  Prefetching: FSDP's default BACKWARD_PRE."""
+    state = model_state(shape, run)
+    seq = run.seq or shape.seq
+    units, shards = shape.unit_numels(run.wrap), _shards(shape, run)
+    g, low = run.shard_size, run.low_bytes
+    grad_bytes = low if run.fsdp else 4  # the unsharded gradient is computed in the compute dtype
+    sharded = run.fsdp and g > 1
+    # the gathered copy of each unit while it is in use (replicated fp32 strategies compute on the parameter)
+    gathered = [s * g * low if (sharded or low != 4) else 0 for s in shards]
+    free_after_forward = sharded and run.strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    root = shape.root_is_a_unit(run.wrap)
+    blocks = list(range(1 if root else 0, len(units)))  # the units that run between the root's two ends
+    per_unit, full, root_acts, flow = _activations(shape, run)
+    block_acts = dict(zip(blocks, per_unit))
+    loss = shape.loss_backward_bytes(run.batch, seq, run.low_bytes)
+    fixed = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"],
+             "buffers": state["buffers"], "ddp_buckets": state["ddp_buckets"]}
+
+    def name(i):  # what a user calls unit i
+        if root:
+            return "the root unit (embeddings)" if i == 0 else f"block {i - 1}"
+        return f"layer {i}"
+
+    def moment(where, grads=0, gathered_units=(), unsharded_grads=0, acts=0, temporaries=0):
+        m = dict(fixed, gradients=grads, unsharded_parameters=sum(gathered[i] for i in set(gathered_units)),
+                 unsharded_gradients=unsharded_grads, activations=acts, temporaries=temporaries)
+        return where, {c: m[c] for c in CATEGORIES}
+
+    out = []
+    held = [0] if root else []  # units gathered now
+    acts = root_acts  # (the head's part too: saved at the forward's end, shown from its start)
+    for i in blocks:  # forward
+        out.append(moment(f"forward, {name(i)}", gathered_units=held + [i], acts=acts + block_acts[i]))
+        acts += block_acts[i]
+        held = held + [i] if not free_after_forward else held
+    prefetch = [blocks[-1]] if free_after_forward and run.backward_prefetch and blocks else []
+    out.append(moment("backward, start: the loss's gradients, every activation alive", acts=acts,
+                      gathered_units=held + prefetch, temporaries=loss))
+    # A unit's gradient: its pieces (one per parameter), then the flat gradient they are concatenated into,
+    # both alive unless the gathered parameters were freed before the concatenation (the pieces sit on
+    # those instead).  DDP's gradients are the parameters' own .grad (its buckets are counted apart).
+    pieces = 1 if sharded and run.frees_before_concat else 2
+    grads_done = 0
+    order = list(reversed(blocks)) + ([0] if root else [])  # the root's embeddings end the backward
+    for k, i in enumerate(order):
+        nxt = [order[k + 1]] if run.backward_prefetch and k + 1 < len(order) else []
+        before = acts - block_acts.get(i, 0)  # the activations of every unit before this one
+        recompute = full if run.activation_checkpointing and i in block_acts else 0
+        # the gradient coming in and the one going out; the first layer computes none for its input (the batch)
+        flows = 0 if i == 0 and root else 1 if i == 0 else 2
+        out.append(moment(f"backward, {name(i)}, its gradient being formed",
+                          grads=grads_done + (0 if run.fsdp else 4 * units[i]), gathered_units=held + [i] + nxt,
+                          unsharded_grads=pieces * units[i] * grad_bytes if run.fsdp else 0,
+                          acts=before + recompute, temporaries=flows * flow))
+        grads_done += 4 * (shards[i] if run.fsdp else units[i])
+        acts = before
+        held = [u for u in held if u != i]
+    foreach = 4 * (sum(shards) if run.fsdp else shape.params) if run.optimizer == "adamw" else 0
+    out.append(moment("optimizer step", grads=state["gradients"], temporaries=foreach))
+    return out
+
+
+def peak(shape: ModelShape, run: Run) -> tuple[int, str, dict[str, int]]:
+    """(bytes, where, breakdown) of the largest of :func:`moments`."""
+    where, parts = max(moments(shape, run), key=lambda m: sum(m[1].values()))
+    return sum(parts.values()), where, parts

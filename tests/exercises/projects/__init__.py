@@ -1,0 +1,1 @@
+"""The graded tests of the course's projects (exercises/projects/), and their rank functions."""
