@@ -28,7 +28,9 @@ tensor the caller has dropped (a gradient after ``zero_grad``) stays alive: a ce
 counts it, and a test comparing memory with torch fails by chance, by one unit's gradient.  So
 on CPU tensors ``TorchCollectives`` hands torch an alias of each tensor that no one else holds
 (``detach()``: the same storage, a handle of its own) and, once the work is done, waits until the
-alias's use count is back to what it was before torch saw it, and only then returns from ``wait()``:
+alias is held as it was before torch saw it (its use count, and its Python object's reference count:
+the tensor's C++ references each hold one on its Python object, and the thread that drops the last of them
+needs the GIL to let that one go), and only then returns from ``wait()``:
 the collective keeps nothing of the caller's, as ours keep nothing (:mod:`minifsdp.comm.stream`,
 Note (a finished job is dropped)).  Usually it is back already; the wait gives up after ``LET_GO_S``.  (NCCL's work
 belongs to a GPU stream, not a thread; GPU tensors go to torch as they are.)
@@ -40,6 +42,7 @@ integer tensors it raises (floor or round?  say what you mean: sum, then divide 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -110,16 +113,16 @@ class LettingGoWork:
     """torch's work on CPU tensors; ``wait()`` returns once the process group has let go of them too
     (Note (torch's collectives let go before ``wait()`` returns))."""
 
-    def __init__(self, work, aliases: tuple, own: tuple):
-        self._work, self._aliases, self._own = work, aliases, own  # own: each alias's count before torch saw it
+    def __init__(self, work, aliases: tuple, own: list):
+        self._work, self._aliases, self._own = work, aliases, own  # own: each alias's holders before torch saw it
 
     def wait(self, *timeout) -> bool:
         if self._work is not None:
             self._work.wait(*timeout)
             self._work = None  # our reference to torch's work (its future holds the outputs)
             deadline = time.monotonic() + LET_GO_S
-            while any(_use_count(a) > n for a, n in zip(self._aliases, self._own)) and time.monotonic() < deadline:
-                time.sleep(1e-4)  # the GIL and the CPU for gloo's thread
+            while _holders(self._aliases) != self._own and time.monotonic() < deadline:
+                time.sleep(1e-4)  # the GIL and the CPU for the thread letting go
             self._aliases = self._own = ()
         return True
 
@@ -127,10 +130,10 @@ class LettingGoWork:
         return self._work is None or self._work.is_completed()
 
 
-def _use_count(t: torch.Tensor) -> int:
-    """How many references hold ``t``'s tensor (torch's ``Tensor._use_count``; 0 where torch lacks it: no wait)."""
-    count = getattr(t, "_use_count", None)
-    return count() if count is not None else 0
+def _holders(aliases: tuple) -> list:
+    """Who holds each alias: its C++ tensor's use count (torch's ``Tensor._use_count``; 0 where torch lacks
+    it) and its Python object's reference count.  Taken the same way before and after, so the two compare."""
+    return [(a._use_count() if hasattr(a, "_use_count") else 0, sys.getrefcount(a)) for a in aliases]
 
 
 def letting_go(call, tensors: tuple, async_op: bool):
@@ -138,7 +141,7 @@ def letting_go(call, tensors: tuple, async_op: bool):
     if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors):
         return call(*tensors, async_op)
     aliases = tuple(t.detach() for t in tensors)
-    own = tuple(_use_count(a) for a in aliases)  # 1, or 2 where torch counts the Python object's own reference
+    own = _holders(aliases)
     work = LettingGoWork(call(*aliases, True), aliases, own)
     if async_op:
         return work

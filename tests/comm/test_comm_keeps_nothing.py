@@ -82,22 +82,31 @@ def test_a_collective_keeps_nothing_once_done(kind, n):
     assert not fails, "\n".join(fails)
 
 
-HOLD_S = 1.0  # how long the planted slow worker thread keeps a finished work
+HOLD_S = 0.5  # how long each of the planted slow thread's two holds lasts
 
 
 def test_torch_collectives_let_go_before_wait_returns():
-    """torch's gloo worker thread marks a collective done, then drops it (and the tensors) when it next runs.
-    Planted here: that thread keeps every finished work ``HOLD_S`` longer (the race window made certain).
-    ``get_collectives("torch")``'s ``wait()`` must still return only once nothing holds the caller's tensor:
-    its memory is freed the moment the caller drops it (a weak reference to the storage: gloo holds an alias of
-    the tensor, with the same bytes).  One rank of gloo, in this process."""
+    """torch's gloo worker thread marks a collective done, then drops it (and the tensors) when it next runs;
+    and the thread that drops a tensor's last C++ reference lets go of its Python object only once it holds
+    the GIL (torch keeps a tensor's Python object alive while C++ holds the tensor).  Planted here, both made
+    certain: a slow thread that keeps every finished work ``HOLD_S`` longer, then the Python tensors it was
+    given ``HOLD_S`` more.  ``get_collectives("torch")``'s ``wait()`` must still return only once nothing
+    holds the caller's tensor: its memory is freed the moment the caller drops it (a weak reference to the
+    storage: gloo holds an alias of the tensor, with the same bytes).  One rank of gloo, in this process."""
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
-    real, kept = dist.all_reduce, []
+    real, kept = dist.all_reduce, {}
+
+    def let_go_later(work_key, args_key):
+        time.sleep(HOLD_S)
+        del kept[work_key]  # the C++ work, and with it the tensor's C++ references
+        time.sleep(HOLD_S)
+        del kept[args_key]  # then the Python objects
 
     def slow_to_let_go(*args, **kwargs):
         work = real(*args, **kwargs)
-        kept.append(work)
-        threading.Timer(HOLD_S, kept.remove, (work,)).start()
+        keys = (object(), object())
+        kept[keys[0]], kept[keys[1]] = work, args
+        threading.Thread(target=let_go_later, args=keys).start()
         return work
 
     comm = C.get_collectives("torch")
@@ -116,6 +125,6 @@ def test_torch_collectives_let_go_before_wait_returns():
                 assert gone, f"async_op={async_op}: the tensor's memory outlives wait() " \
                     f"({time.monotonic() - start:.2f} s after the call)"
     finally:
-        while kept:  # the timers' works, before the group goes
+        while kept:  # the slow thread's holds, before the group goes
             time.sleep(0.01)
         del group
