@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.comm.collectives import letting_go
+from minifsdp.comm.collectives import torch_lets_go
 from minifsdp.fsdp import FSDP, ShardingStrategy
 from minifsdp.fsdp.backward_extras import BackwardExtras
 from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
@@ -67,31 +67,6 @@ def _step(kind, model, opt, corpus, rank, world):
     loss.backward()
     opt.step()
     opt.zero_grad()
-
-
-TORCH_FSDP1_COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single")  # what its step calls
-
-
-@contextlib.contextmanager
-def torch_lets_go():
-    """torch FSDP1's collectives through the wait ours has (``minifsdp.comm.collectives``, Note (torch's
-    collectives let go before ``wait()`` returns)): otherwise gloo's worker thread may still hold the last
-    gradient when the census at rest runs, and torch's bytes read high by one unit's gradient, by chance."""
-    saved = {name: getattr(dist, name) for name in TORCH_FSDP1_COLLECTIVES}
-
-    def through(fn):
-        def call(*args, async_op=False, **kwargs):
-            k = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
-            return letting_go(lambda *ts: fn(*ts[:-1], *args[k:], async_op=ts[-1], **kwargs), args[:k], async_op)
-        return call
-
-    for name, fn in saved.items():
-        setattr(dist, name, through(fn))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def live_bytes_worker(kind: str, config: str, strategies: tuple, origs: tuple) -> dict:

@@ -42,6 +42,7 @@ integer tensors it raises (floor or round?  say what you mean: sum, then divide 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -60,6 +61,7 @@ __all__ = [
     "naive_all_reduce", "ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
     "chunk_bounds", "count_bytes", "ByteStats", "get_collectives", "COLLECTIVE_KINDS", "Work", "CARRY_BYTES",
     "RingCollectives", "TextbookCollectives", "TorchCollectives", "LettingGoWork", "letting_go", "LET_GO_S",
+    "torch_lets_go", "TORCH_FSDP_COLLECTIVES",
 ]
 
 
@@ -147,6 +149,33 @@ def letting_go(call, tensors: tuple, async_op: bool):
         return work
     work.wait()
     return None
+
+
+TORCH_FSDP_COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single")  # what FSDP1 and FSDP2 call
+
+
+@contextlib.contextmanager
+def torch_lets_go(names: tuple = TORCH_FSDP_COLLECTIVES):
+    """Inside: torch's own ``dist.<name>`` collectives (those torch's FSDP1 and ``fully_shard`` call) go through
+    :func:`letting_go`, so their ``wait()`` returns once gloo has let go of the tensors.  For an instrument that
+    counts live bytes on torch's side (the census): without it, gloo's worker thread may still hold a finished
+    collective's tensors when the count runs, and torch reads high by chance (Note (torch's collectives let go
+    before ``wait()`` returns)).  Changes no number and no order; names this torch lacks are left alone."""
+    saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def through(fn):
+        def call(*args, async_op=False, **kwargs):  # the leading tensors go through aliases, the rest as given
+            k = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
+            return letting_go(lambda *ts: fn(*ts[:-1], *args[k:], async_op=ts[-1], **kwargs), args[:k], async_op)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, through(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 class TorchCollectives:
