@@ -24,16 +24,9 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_siz
 
 from minifsdp import FSDP, MLP, MixedPrecisionPolicy, ShardingStrategy, fully_shard
 from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
+from tests._workers_fsdp import _error_of
 
 CPU = {"device_id": torch.device("cpu")}  # torch FSDP1 on a machine without an accelerator
-
-
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the type and the message
-        return type(e).__name__, str(e)
-    return None
 
 
 def _warnings_of(fn):

@@ -28,12 +28,12 @@ tensor the caller has dropped (a gradient after ``zero_grad``) stays alive: a ce
 counts it, and a test comparing memory with torch fails by chance, by one unit's gradient.  So
 on CPU tensors ``TorchCollectives`` hands torch an alias of each tensor that no one else holds
 (``detach()``: the same storage, a handle of its own) and, once the work is done, waits until the
-alias is held as it was before torch saw it (its use count, and its Python object's reference count:
-the tensor's C++ references each hold one on its Python object, and the thread that drops the last of them
-needs the GIL to let that one go), and only then returns from ``wait()``:
-the collective keeps nothing of the caller's, as ours keep nothing (:mod:`minifsdp.comm.stream`,
-Note (a finished job is dropped)).  Usually it is back already; the wait gives up after ``LET_GO_S``.  (NCCL's work
-belongs to a GPU stream, not a thread; GPU tensors go to torch as they are.)
+alias is held as it was before torch saw it, and only then returns from ``wait()``: both its use count
+and its Python object's reference count (while C++ holds a tensor, torch holds one reference on its Python
+object, and the thread that drops the last C++ one needs the GIL to let that go too).  The collective keeps
+nothing of the caller's, as ours keep nothing (:mod:`minifsdp.comm.stream`, Note (a finished job is
+dropped)).  It is usually back within one hand-over of the GIL; the wait gives up after ``LET_GO_S``.
+(NCCL's work belongs to a GPU stream, not a thread; GPU tensors go to torch as they are.)
 
 Note (precision): sums are accumulated in the tensor's own dtype, chunk by chunk in ring order
 (:mod:`minifsdp.comm.ring`, Note (the same bits on every rank)); ``op="avg"`` divides once; for
