@@ -23,7 +23,7 @@ LAYERS = {
     "minifsdp.ddp": 2,
     "minifsdp.fsdp": 3, "minifsdp.memory": 3, "minifsdp.parallel": 3,
     "minifsdp.checkpoint": 4, "minifsdp.fsdp2": 4,
-    "minifsdp.tools": 5,
+    "minifsdp.tools": 5, "minifsdp.fuzz": 5,
     "minifsdp.__main__": 6, "minifsdp": 6,
 }
 LOCAL_IMPORTS_ALLOWED = ("minifsdp.tools",)  # command-line and bench code may import lazily (start-up time)

@@ -1,5 +1,5 @@
 """The command line: ``python -m minifsdp compare``, ``train``, ``generate``, ``bench``, ``plan``, ``torch-suite``,
-``course``."""
+``course``, ``fuzz``."""
 
 from __future__ import annotations
 
@@ -104,7 +104,22 @@ def main(argv: list[str] | None = None) -> int:
 
     add_course_arguments(p_course)
 
+    # fuzz: random programs on torch's FSDP and on ours, compared bit for bit
+    p_fuzz = sub.add_parser("fuzz", help="random but seeded FSDP programs, run on torch's and on ours, compared",
+                            description="Draw programs from seeds (model trees, wrappings, every option, step "
+                                        "sequences), run each on torch's FSDP and on ours in the same ranks, compare "
+                                        "losses, gradients, parameters, dtypes, state dicts, collectives and "
+                                        "exceptions bit for bit. Example: python -m minifsdp fuzz --cases 200 "
+                                        "--seed 5000 --impl fsdp2 --shrink")
+    from minifsdp.fuzz.command import add_arguments as add_fuzz_arguments
+
+    add_fuzz_arguments(p_fuzz)
+
     args = parser.parse_args(argv)
+    if args.command == "fuzz":
+        from minifsdp.fuzz.command import fuzz_command
+
+        return fuzz_command(args)
     if args.command == "plan":
         from minifsdp.tools.plan_cli import run_plan
 

@@ -1,0 +1,91 @@
+"""What the fuzzer looks at while a program runs: tensors as a user sees them, and the collectives issued.
+
+Tensors.  :func:`tensors_of` turns whatever a user reads (``named_parameters()``, a state dict, an optimizer
+state dict, a gradient) into a flat list of ``(path, value)`` with every tensor as a plain CPU tensor and its
+kind said: a ``DTensor`` by its placements and local piece, a ``ShardedTensor`` by its local shards, so the
+two sides compare bit for bit whatever container torch or ours returns.
+
+Collectives.  :class:`CollectiveRecorder` is a ``TorchDispatchMode``: since torch 2.0 every process-group call
+goes through the dispatcher as a ``c10d.*`` op, so it sees torch's collectives and ours alike, in the order
+they were issued, each as ``(kind, numel, dtype)``.  Torch's names differ by entry point (``_allgather_base_``,
+``allgather_into_tensor_coalesced_``); the kind is what it does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CollectiveRecorder", "tensors_of", "error_of"]
+
+_KINDS = (("reduce_scatter", "reduce-scatter"), ("allgather", "all-gather"), ("allreduce", "all-reduce"),
+          ("broadcast", "broadcast"), ("barrier", "barrier"), ("alltoall", "all-to-all"), ("gather", "gather"),
+          ("scatter", "scatter"), ("send", "send"), ("recv", "recv"))
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Every c10d op this rank issues while active, as ``(kind, numel, dtype)``; ``log`` in issue order."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func._opname
+            kind = next((k for key, k in _KINDS if key in name), name)
+            # the output's size for an all-gather, the input's for a reduce-scatter: a unit's padded flat size
+            operand = args[1] if kind == "reduce-scatter" and len(args) > 1 else args[0] if args else ()
+            tensors = list(_tensors(operand))
+            if kind != "barrier":
+                self.log.append((kind, sum(t.numel() for t in tensors),
+                                 str(tensors[0].dtype).replace("torch.", "") if tensors else None))
+        return func(*args, **(kwargs or {}))
+
+    def take(self) -> list[tuple]:
+        """The log since the last take, and a fresh one."""
+        out, self.log = self.log, []
+        return out
+
+
+def _plain(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(what kind of tensor, its local numbers as a plain detached CPU tensor)."""
+    if isinstance(t, DTensor):
+        return f"DTensor{tuple(t.placements)}{tuple(t.shape)}", t.to_local().detach().cpu().clone()
+    if type(t).__name__ == "ShardedTensor":
+        shards = [s.tensor.detach().cpu().reshape(-1) for s in t.local_shards()]
+        return f"ShardedTensor{tuple(t.size())}", (torch.cat(shards) if shards else torch.empty(0)).clone()
+    kind = "Parameter" if isinstance(t, torch.nn.Parameter) else "Tensor"
+    return kind, t.detach().cpu().clone()
+
+
+def tensors_of(obj, prefix: str = "") -> list[tuple[str, str, object]]:
+    """``(path, kind, value)`` for every leaf of ``obj`` (dicts by key, lists by index); tensors made plain."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += tensors_of(v, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out += tensors_of(v, f"{prefix}{i}.")
+    elif isinstance(obj, torch.Tensor):
+        kind, value = _plain(obj)
+        out.append((prefix.rstrip("."), kind, value))
+    else:
+        out.append((prefix.rstrip("."), type(obj).__name__, obj if isinstance(obj, (int, float, str, bool,
+                                                                                     type(None))) else repr(obj)))
+    return out
+
+
+def error_of(e: BaseException) -> str:
+    """An exception as the fuzzer compares it: its type (messages are each side's own words)."""
+    return type(e).__name__

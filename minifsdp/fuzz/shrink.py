@@ -1,0 +1,119 @@
+"""Make a difference small: the fewest steps, blocks and options that still show it.
+
+    program with a difference in field F
+      round: every one-change simplification (a step dropped, a block dropped, an option back to torch's
+             default, a container made a tensor, fewer ranks, ...), run in one spawn per world size
+      keep the first (most reduced first) that still shows an unexplained difference in F; repeat
+      until no simplification keeps it
+
+This is delta debugging one change at a time (Zeller's ddmin with single deletions): each round costs a
+spawn or two, and a drawn program shrinks in a handful of rounds.  The result prints as a standalone script
+(``script.py``) a reader can run and read.
+"""
+
+from __future__ import annotations
+
+from minifsdp.fuzz.campaign import Outcome, run_batch
+from minifsdp.fuzz.program import Program, block_paths
+
+__all__ = ["shrink", "simplifications"]
+
+FSDP1_DEFAULTS = {"sharding_strategy": "FULL_SHARD", "use_orig_params": False, "mixed_precision": None,
+                  "backward_prefetch": "BACKWARD_PRE", "forward_prefetch": False, "limit_all_gathers": True,
+                  "cpu_offload": False, "scaler": False}
+FSDP2_DEFAULTS = {"reshard_after_forward": True, "mixed_precision": None, "mesh": "1d", "cpu_offload": False,
+                  "reshard_after_backward": True, "scaler": False}
+
+
+def _without_block(p: Program, i: int) -> Program | None:
+    """``p`` without top-level block ``i``; the paths that name blocks follow the renumbering."""
+    blocks = p.model["blocks"]
+    if len(blocks) < 2:
+        return None
+    old = block_paths(p.model)
+    model = dict(p.model, blocks=blocks[:i] + blocks[i + 1:])
+    new = block_paths(model)
+    rename = {o: n for o, n in zip(old[:i] + old[i + 1:], new)}
+
+    def follow(paths):
+        out = []
+        for path in paths:
+            head = next((o for o in old if path == o or path.startswith(o + ".")), None)
+            if head is None:
+                out.append(path)
+            elif head in rename:
+                out.append(rename[head] + path[len(head):])
+        return out
+
+    repeat = p.model.get("repeat")
+    model["repeat"] = None if repeat in (None, i) else repeat - (repeat > i)
+    model["frozen"] = follow(p.model.get("frozen", []))
+    wrap = dict(p.wrap, manual=follow(p.wrap.get("manual", [])), ignored=follow(p.wrap.get("ignored", [])))
+    return p.replace(model=model, wrap=wrap)
+
+
+def simplifications(p: Program) -> list[Program]:
+    """Every program one change simpler than ``p``, the biggest reductions first."""
+    out: list[Program | None] = []
+    hybrid = "HYBRID" in p.options.get("sharding_strategy", "") or p.options.get("mesh") == "2d"
+    if not hybrid:
+        out += [p.replace(world_size=n) for n in (2, 1) if n < p.world_size]
+    out += [p.replace(steps=p.steps[:i] + p.steps[i + 1:]) for i in range(len(p.steps)) if len(p.steps) > 1]
+    out += [_without_block(p, i) for i in range(len(p.model["blocks"]))]
+    defaults = FSDP1_DEFAULTS if p.impl == "fsdp1" else FSDP2_DEFAULTS
+    for key, default in defaults.items():
+        if p.options.get(key) != default and not (key == "sharding_strategy" and hybrid) and key != "mesh":
+            out.append(p.replace(options=dict(p.options, **{key: default})))
+    mp = p.options.get("mixed_precision")
+    for key, value in (mp or {}).items():
+        if value not in (None, False):
+            simpler = False if value is True else None
+            out.append(p.replace(options=dict(p.options, mixed_precision=dict(mp, **{key: simpler}))))
+    for key, simple in (("out", "tensor"), ("container", "sequential"), ("input", "dense"), ("tie", False),
+                        ("repeat", None), ("frozen", [])):
+        if p.model.get(key) != simple and not (key == "input" and p.model.get("tie")):
+            out.append(p.replace(model=dict(p.model, **{key: simple})))
+    for i, b in enumerate(p.model["blocks"]):
+        for key, simple in (("ret", "tensor"), ("kind", "linear")):
+            if b.get(key) != simple and not (key == "kind" and b.get("kind") == "nested"):
+                blocks = [dict(x) for x in p.model["blocks"]]
+                blocks[i][key] = simple
+                out.append(p.replace(model=dict(p.model, blocks=blocks)))
+        if b.get("kind") == "nested" and len(b.get("children", [])) > 1:
+            for j in range(len(b["children"])):
+                blocks = [dict(x) for x in p.model["blocks"]]
+                blocks[i]["children"] = b["children"][:j] + b["children"][j + 1:]
+                out.append(p.replace(model=dict(p.model, blocks=blocks)))
+    for key, simple in (("ignored", []), ("policy", "module"), ("classes", ["Block"]), ("explicit_prefetch", False)):
+        if key in p.wrap and p.wrap[key] != simple:
+            out.append(p.replace(wrap=dict(p.wrap, **{key: simple})))
+    for path in p.wrap.get("manual", []):
+        out.append(p.replace(wrap=dict(p.wrap, manual=[x for x in p.wrap["manual"] if x != path])))
+    return [c for c in out if c is not None]
+
+
+def _shows(outcome: Outcome, field: str) -> bool:
+    return any(d[0] == field for d in outcome.unexplained)
+
+
+def shrink(program: Program, field: str, rounds: int = 30, log=None) -> Program:
+    """The smallest program reachable one simplification at a time that still differs in ``field``."""
+    current = program
+    for _ in range(rounds):
+        candidates = simplifications(current)
+        if not candidates:
+            break
+        by_world: dict[int, list[Program]] = {}
+        for c in candidates:
+            by_world.setdefault(c.world_size, []).append(c)
+        shown = {}
+        for group in by_world.values():
+            for outcome in run_batch(group):
+                shown[id(outcome.program)] = _shows(outcome, field)
+        kept = next((c for c in candidates if shown.get(id(c))), None)
+        if kept is None:
+            break
+        current = kept
+        if log is not None:
+            log(f"shrunk to: {current.summary()}")
+    return current
