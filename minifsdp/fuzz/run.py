@@ -22,6 +22,7 @@ agree if they raised the same type at the same step.  Every rank runs the same s
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -211,6 +212,8 @@ def run_programs(programs_json: list[str]) -> list[dict]:
 
     Returns one dict per program: ``differences`` (``compare.differences``), ``summary`` (the losses)."""
     ctx, out = RankContext(), []
+    # torch's and ours' warnings (NO_SHARD, state_dict_type, 1 rank) would print once per program per rank
+    warnings.simplefilter("ignore")
     for text in programs_json:
         program = Program.from_json(text)
         records = {name: run_side(program, name, ctx) for name in ("torch", "ours")}

@@ -8,7 +8,7 @@ prints for a finding, and what a bug report or a regression test starts from.
 
 from __future__ import annotations
 
-import json
+import pprint
 
 from minifsdp.fuzz.program import Program, block_paths
 
@@ -167,7 +167,7 @@ def to_script(p: Program, difference: tuple | None = None) -> str:
         "from minifsdp.fuzz.sides import RankContext",
         "from minifsdp.fuzz.trees import Block, batch, build_model, loss_of  # noqa: F401",
         "",
-        f"MODEL = {json.dumps(p.model)}",
+        "MODEL = " + pprint.pformat(p.model, width=110, sort_dicts=True).replace("\n", "\n" + " " * 8),
         "",
         "",
         "def hybrid_groups():",
@@ -199,10 +199,12 @@ def to_script(p: Program, difference: tuple | None = None) -> str:
         "    theirs = side(" + ("TorchFSDP" if p.impl == "fsdp1" else "torch_fully_shard") + ", TorchScaler)",
         "    ours = side(" + ("minifsdp.FSDP" if p.impl == "fsdp1" else "minifsdp.fully_shard")
         + ", minifsdp.ShardedGradScaler)",
-        "    lines = []",
-        "    for key in sorted(set(theirs) | set(ours)):",
+        "    rank = dist.get_rank()",
+        "    lines = [f'rank {rank}: torch ' + theirs.get('raised', 'ran every step') + '; ours ' + "
+        "ours.get('raised', 'ran every step')]",
+        "    for key in sorted(set(theirs) & set(ours) - {'raised'}):",
         "        found = first_difference(tensors_of(ours.get(key)), tensors_of(theirs.get(key)))",
-        "        lines.append(f'rank {dist.get_rank()} {key}: ' + ('same' if found is None else 'DIFFERENT ' + found))",
+        "        lines.append(f'rank {rank} {key}: ' + ('same' if found is None else 'DIFFERENT ' + found))",
         "    return lines",
         "",
         "",
