@@ -27,10 +27,11 @@ classes, ``StateDictType.FULL_STATE_DICT`` from either import works on our FSDP,
 and ``isinstance(cfg, FullStateDictConfig)`` holds for both.
 
 Note (where we differ from torch, on purpose): SHARDED values are ``DTensor`` s
-(torch's public sharded tensor; torch FSDP1 returns the older ``ShardedTensor``
-unless ``_use_dtensor``), with the same local chunk, loadable by
-``torch.distributed.checkpoint``.  LOCAL values are plain tensors (this rank's
-flat shard without its padding, the local shard of torch's ``ShardedTensor``).
+(torch's public sharded tensor; torch FSDP1 returns the older ``ShardedTensor``,
+which it warns is deprecated, unless ``_use_dtensor``), with the same local chunk,
+loadable by ``torch.distributed.checkpoint``.  LOCAL values are torch's: a
+``ShardedTensor`` per flat parameter whose one local shard is a view of this rank's
+flat shard without its padding (torch has no DTensor form of a flat parameter).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from collections import OrderedDict
 
 import torch
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
@@ -220,14 +223,18 @@ def _local_entries(root) -> list[tuple[str, nn.Module, str]]:
 
 
 def _local_state_dict(root) -> "OrderedDict[str, torch.Tensor]":
-    """Each unit's local flat shard without its end padding (torch's ``ShardedTensor`` local shard)."""
+    """Each unit's flat parameter as torch's ``ShardedTensor`` of the unpadded flat length, whose local shard is
+    a view of this rank's shard without its end padding (torch's ``_local_post_state_dict_hook``): the padding
+    is left out so that a load may use another number of ranks."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key, m, name in _local_entries(root):
         if name == "_flat_param":
             h = m._handle
             shard = h.flat_param.numel()
             valid = max(0, min(h.layout.numel - h.rank * shard, shard))
-            out[key] = h.flat_param.detach()[:valid].clone()
+            local = [LocalShard.from_tensor_and_offsets(h.flat_param.detach()[:valid], [shard * h.rank], h.rank)]
+            out[key] = init_from_local_shards(local if valid > 0 else [], h.layout.numel,
+                                              process_group=h.groups.shard)
         elif name in m._parameters:  # no unit manages it: the module's own tensor
             out[key] = m._parameters[name].detach()
         else:
@@ -299,6 +306,9 @@ def _copy_local(entries, state_dict) -> None:
             if key not in state_dict:
                 continue
             v = state_dict[key]
+            if isinstance(v, ShardedTensor):  # this rank's piece (none where it holds only padding)
+                shards = v.local_shards()
+                v = shards[0].tensor if shards else torch.empty(0, dtype=v.dtype)
             if name == "_flat_param":  # the saved piece has no end padding
                 m._handle.flat_param[: v.numel()].copy_(v.reshape(-1))  # (bumps its version: a kept full
                 # buffer is seen stale, gathered again)

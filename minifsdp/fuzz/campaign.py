@@ -31,6 +31,8 @@ class Outcome:
     differences: list
     explained: dict
     crash: str | None = None
+    # rank 0's (step, exception type, first line) for each side that raised, None for one that ran every step
+    errors: dict = dataclasses.field(default_factory=dict)
 
     @property
     def unexplained(self) -> list:
@@ -66,7 +68,7 @@ def run_batch(programs: list[Program], timeout_s: float = 240.0) -> list[Outcome
     outcomes = []
     for i, program in enumerate(programs):
         diffs = _merge([results[r][i] for r in range(world)])
-        outcomes.append(Outcome(program, diffs, explain(program, diffs)))
+        outcomes.append(Outcome(program, diffs, explain(program, diffs), errors=results[0][i]["errors"]))
     return outcomes
 
 

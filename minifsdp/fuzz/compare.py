@@ -79,6 +79,18 @@ def _short(x, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# fields whose every mismatch is listed, not only the first: a known difference (known.py) must not hide another
+_EVERY = ("state_types",)
+
+
+def every_difference(a: list, b: list) -> str | None:
+    """Every item at which two lists of the same length differ, joined by ``; ``; else as :func:`first_difference`."""
+    if not (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)):
+        return first_difference(a, b)
+    found = [f for x, y in zip(a, b) if (f := first_difference(x, y, str(x[0]) if isinstance(x, tuple) else ""))]
+    return "; ".join(found) or None
+
+
 def same(a, b) -> bool:
     return first_difference(a, b) is None
 
@@ -97,7 +109,7 @@ def differences(ours: dict, theirs: dict, ops: list | None = None) -> list[tuple
             if field not in o or field not in t:
                 out.append((field, where, f"only {'ours' if field in o else 'torch'} has it"))
                 continue
-            found = first_difference(o[field], t[field])
+            found = every_difference(o[field], t[field]) if field in _EVERY else first_difference(o[field], t[field])
             if found:
                 out.append((field, where, found))
     if ours["final"] is not None and theirs["final"] is not None:

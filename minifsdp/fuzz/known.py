@@ -1,7 +1,8 @@
-"""Differences the fuzzer finds where torch is the one that is wrong: named, explained, pinned by a test.
+"""Differences the fuzzer finds where ours parts from torch on purpose: named, explained, pinned by a test.
 
-A reimplementation that teaches must say where it parts from torch and why.  Each entry here is one such
-place: a predicate on (program, difference) that recognises it, and the reason, with torch's source line.
+A reimplementation that teaches must say where it parts from torch and why: where torch is wrong (a state dict
+its own load refuses), or where ours says so earlier or in torch's newer form.  Each entry here is one such
+place: a predicate on (program, difference) that recognises it, and the reason, with torch's source.
 Chapter 6's table "Where ours parts from torch, and why" lists the same entries, and each has a test that runs
 the program on both and asserts both behaviours (``tests/test_fuzz.py``), so a torch release that fixes it
 fails that test and the entry goes.
@@ -24,7 +25,60 @@ class Known:
     matches: Callable  # (program, difference) -> bool
 
 
-KNOWN: list[Known] = []
+def _step_of(program, where: str) -> dict | None:
+    """The step a difference's ``where`` ("step 3 (state_dict)") names, or None."""
+    if not where.startswith("step "):
+        return None
+    i = int(where.split()[1])
+    return program.steps[i] if i < len(program.steps) else None
+
+
+def _cpu_offload_refused(program, d) -> bool:
+    if program.impl != "fsdp1" or not program.options.get("cpu_offload"):
+        return False
+    if d[0] == "error":
+        return ("ours raised RuntimeError at wrapping: FSDP(cpu_offload=CPUOffload(offload_params=True)) is not "
+                "supported" in d[2] and "torch raised RuntimeError at step 0: Cannot access accelerator" in d[2])
+    return d[0] == "wrapped" and d[2].startswith(": NoneType None vs list")
+
+
+def _sharded_is_dtensor(program, d) -> bool:
+    step = _step_of(program, d[1])
+    return (program.impl == "fsdp1" and d[0] == "state_types" and step is not None and step["type"] == "SHARDED"
+            and all(part.endswith("'DTensor(Shard(dim=0),)' vs 'ShardedTensor'") for part in d[2].split("; ")))
+
+
+def _local_with_orig_params(program, d) -> bool:
+    if program.impl != "fsdp1" or not program.options["use_orig_params"] \
+            or program.options["sharding_strategy"] == "NO_SHARD" or program.world_size == 1:
+        return False
+    if d[0] == "error":  # torch cannot load what it returned: the flat parameters are unexpected keys
+        i = d[2].split("torch raised RuntimeError at step ")[-1].split(":")[0]
+        return (d[2].startswith("ours raised nothing vs torch raised RuntimeError at step ") and i.isdigit()
+                and program.steps[int(i)].get("type") == "LOCAL" and "Error(s) in loading state_dict" in d[2])
+    step = _step_of(program, d[1])
+    return d[0] in ("state", "state_types") and step is not None and step.get("type") == "LOCAL"
+
+
+KNOWN: list[Known] = [
+    Known("cpu_offload_refused_at_wrapping",
+          "FSDP(cpu_offload=CPUOffload(offload_params=True)) on a machine without an accelerator: torch wraps, then "
+          "fails at the first forward ('Cannot access accelerator device when none is available', "
+          "_runtime_utils._pre_forward_unshard moving the shard to the compute device); ours refuses at wrapping "
+          "with the same RuntimeError type and says what to pass instead (torch_options.check_cpu_offload).",
+          _cpu_offload_refused),
+    Known("sharded_state_dict_is_dtensor",
+          "SHARDED_STATE_DICT values: torch FSDP1 returns ShardedTensor (its FutureWarning: 'Please use DTensor "
+          "instead and we are deprecating ShardedTensor'; DTensor only with _use_dtensor); ours returns DTensor with "
+          "the same local chunk and global shape (state_dict_type.py, Note). The numbers are compared apart and equal.",
+          _sharded_is_dtensor),
+    Known("local_state_dict_with_orig_params",
+          "LOCAL_STATE_DICT with use_orig_params=True: torch returns each original parameter's local view beside "
+          "each unit's _flat_param, and its own load_state_dict of that dict fails ('Unexpected key(s) ... "
+          "_flat_param'; _state_dict_utils._local_pre_state_dict_hook leaves the original parameters registered). "
+          "Ours returns only the flat parameters, as without use_orig_params, and loads them back.",
+          _local_with_orig_params),
+]
 
 
 def explain(program, diffs: list) -> dict:

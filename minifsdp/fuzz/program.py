@@ -118,7 +118,8 @@ def _draw_model(rng: random.Random) -> dict:
         model["repeat"] = rng.randrange(len(blocks))
     if rng.random() < 0.15:  # frozen parameters: a whole block, or one weight inside one
         i = rng.randrange(len(blocks))
-        model["frozen"] = [f"blocks.{_block_key(model, i)}" + ("" if rng.random() < 0.5 else ".fc")]
+        first = {"mlp": ".up", "conv": ".conv"}.get(blocks[i]["kind"], ".fc")  # one Linear (or Conv) inside
+        model["frozen"] = [f"blocks.{_block_key(model, i)}" + ("" if rng.random() < 0.5 else first)]
     return model
 
 

@@ -1,9 +1,9 @@
 """What the fuzzer looks at while a program runs: tensors as a user sees them, and the collectives issued.
 
 Tensors.  :func:`tensors_of` turns whatever a user reads (``named_parameters()``, a state dict, an optimizer
-state dict, a gradient) into a flat list of ``(path, value)`` with every tensor as a plain CPU tensor and its
-kind said: a ``DTensor`` by its placements and local piece, a ``ShardedTensor`` by its local shards, so the
-two sides compare bit for bit whatever container torch or ours returns.
+state dict, a gradient) into a flat list of ``(path, kind, value)`` with every tensor a plain CPU tensor: a
+``DTensor`` or a ``ShardedTensor`` by its global shape and this rank's piece, so the two sides compare bit for
+bit whichever wrapper each returns; :func:`types_of` records the wrappers themselves, compared on their own.
 
 Collectives.  :class:`CollectiveRecorder` is a ``TorchDispatchMode``: since torch 2.0 every process-group call
 goes through the dispatcher as a ``c10d.*`` op, so it sees torch's collectives and ours alike, in the order
@@ -14,10 +14,11 @@ they were issued, each as ``(kind, numel, dtype)``.  Torch's names differ by ent
 from __future__ import annotations
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveRecorder", "tensors_of", "error_of"]
+__all__ = ["CollectiveRecorder", "tensors_of", "types_of", "error_of"]
 
 _KINDS = (("reduce_scatter", "reduce-scatter"), ("allgather", "all-gather"), ("allreduce", "all-reduce"),
           ("broadcast", "broadcast"), ("barrier", "barrier"), ("alltoall", "all-to-all"), ("gather", "gather"),
@@ -58,14 +59,24 @@ class CollectiveRecorder(TorchDispatchMode):
 
 
 def _plain(t: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """(what kind of tensor, its local numbers as a plain detached CPU tensor)."""
+    """(what a tensor holds, its local numbers as a plain detached CPU tensor).  A ``DTensor`` and a
+    ``ShardedTensor`` both read as ``sharded(global shape)`` with this rank's piece: which class carries the piece
+    is recorded apart (:func:`types_of`), so the numbers are compared whichever wrapper a side chose."""
     if isinstance(t, DTensor):
-        return f"DTensor{tuple(t.placements)}{tuple(t.shape)}", t.to_local().detach().cpu().clone()
-    if type(t).__name__ == "ShardedTensor":
-        shards = [s.tensor.detach().cpu().reshape(-1) for s in t.local_shards()]
-        return f"ShardedTensor{tuple(t.size())}", (torch.cat(shards) if shards else torch.empty(0)).clone()
+        return f"sharded{tuple(t.shape)}", t.to_local().detach().cpu().clone()
+    if isinstance(t, ShardedTensor):
+        shards = [s.tensor.detach().cpu() for s in t.local_shards()]
+        local = shards[0] if len(shards) == 1 else torch.cat([s.reshape(-1) for s in shards]) if shards \
+            else torch.empty(0, dtype=t.dtype)
+        return f"sharded{tuple(t.size())}", local.clone()
     kind = "Parameter" if isinstance(t, torch.nn.Parameter) else "Tensor"
     return kind, t.detach().cpu().clone()
+
+
+def types_of(obj) -> list[tuple[str, str]]:
+    """``(key, class)`` of each value of a state dict: ``DTensor(placements)``, ``ShardedTensor``, ``Tensor``."""
+    return [(str(k), f"DTensor{tuple(v.placements)}" if isinstance(v, DTensor) else type(v).__name__)
+            for k, v in obj.items()]
 
 
 def tensors_of(obj, prefix: str = "") -> list[tuple[str, str, object]]:

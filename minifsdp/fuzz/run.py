@@ -36,7 +36,7 @@ from torch.distributed.fsdp import (
 
 from minifsdp.fuzz.compare import differences
 from minifsdp.fuzz.program import Program
-from minifsdp.fuzz.record import CollectiveRecorder, error_of, tensors_of
+from minifsdp.fuzz.record import CollectiveRecorder, error_of, tensors_of, types_of
 from minifsdp.fuzz.sides import RankContext, Side, wrap
 from minifsdp.fuzz.trees import batch, build_model, loss_of
 
@@ -98,14 +98,14 @@ def _config(step: dict):
 def _state_dict(program: Program, side: Side, model, step: dict) -> dict:
     if program.impl == "fsdp2":
         sd = model.state_dict()
-        out = {"state": tensors_of(sd)}
+        out = {"state": tensors_of(sd), "state_types": types_of(sd)}
         if step["load"]:
             model.load_state_dict(sd)
         return out
     kind, cfg = _config(step)
     with side.FSDP.state_dict_type(model, kind, cfg):
         sd = model.state_dict()
-    out = {"state": tensors_of(sd)}
+    out = {"state": tensors_of(sd), "state_types": types_of(sd)}
     if step["load"] and not (step["type"] == "FULL" and step["rank0_only"]):
         with side.FSDP.state_dict_type(model, kind, cfg):
             result = model.load_state_dict(sd)

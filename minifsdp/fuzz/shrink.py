@@ -25,15 +25,11 @@ FSDP2_DEFAULTS = {"reshard_after_forward": True, "mixed_precision": None, "mesh"
                   "reshard_after_backward": True, "scaler": False}
 
 
-def _without_block(p: Program, i: int) -> Program | None:
-    """``p`` without top-level block ``i``; the paths that name blocks follow the renumbering."""
-    blocks = p.model["blocks"]
-    if len(blocks) < 2:
-        return None
-    old = block_paths(p.model)
-    model = dict(p.model, blocks=blocks[:i] + blocks[i + 1:])
-    new = block_paths(model)
-    rename = {o: n for o, n in zip(old[:i] + old[i + 1:], new)}
+def _renumbered(p: Program, model: dict, kept: list[int]) -> Program:
+    """``p`` with ``model``, whose blocks are ``p``'s blocks ``kept`` (in order): every path that names a block
+    (frozen, wrapped by hand, ignored) follows it to its new place, and a path to a dropped block goes."""
+    old, new = block_paths(p.model), block_paths(model)
+    rename = {old[i]: new[j] for j, i in enumerate(kept)}
 
     def follow(paths):
         out = []
@@ -46,10 +42,18 @@ def _without_block(p: Program, i: int) -> Program | None:
         return out
 
     repeat = p.model.get("repeat")
-    model["repeat"] = None if repeat in (None, i) else repeat - (repeat > i)
-    model["frozen"] = follow(p.model.get("frozen", []))
+    model = dict(model, frozen=follow(p.model.get("frozen", [])),
+                 repeat=kept.index(repeat) if repeat in kept else None)
     wrap = dict(p.wrap, manual=follow(p.wrap.get("manual", [])), ignored=follow(p.wrap.get("ignored", [])))
     return p.replace(model=model, wrap=wrap)
+
+
+def _without_block(p: Program, i: int) -> Program | None:
+    blocks = p.model["blocks"]
+    if len(blocks) < 2:
+        return None
+    kept = [j for j in range(len(blocks)) if j != i]
+    return _renumbered(p, dict(p.model, blocks=[blocks[j] for j in kept]), kept)
 
 
 def simplifications(p: Program) -> list[Program]:
@@ -69,8 +73,9 @@ def simplifications(p: Program) -> list[Program]:
         if value not in (None, False):
             simpler = False if value is True else None
             out.append(p.replace(options=dict(p.options, mixed_precision=dict(mp, **{key: simpler}))))
-    for key, simple in (("out", "tensor"), ("container", "sequential"), ("input", "dense"), ("tie", False),
-                        ("repeat", None), ("frozen", [])):
+    if p.model["container"] != "sequential":  # the paths follow: blocks.b1 becomes blocks.1
+        out.append(_renumbered(p, dict(p.model, container="sequential"), list(range(len(p.model["blocks"])))))
+    for key, simple in (("out", "tensor"), ("input", "dense"), ("tie", False), ("repeat", None), ("frozen", [])):
         if p.model.get(key) != simple and not (key == "input" and p.model.get("tie")):
             out.append(p.replace(model=dict(p.model, **{key: simple})))
     for i, b in enumerate(p.model["blocks"]):

@@ -1,0 +1,240 @@
+"""The differential fuzzer (``minifsdp/fuzz/``): random programs on torch's FSDP and on ours, compared bit for bit.
+
+Oracle: torch's FSDP1 (``FullyShardedDataParallel``, ``device_id=cpu``) and torch's ``fully_shard``, running the
+same program in the same ranks.  Tolerance: none (bitwise; any NaN equals any NaN, as ``compare.py`` says why).
+
+1. Each CI seed's program (a fixed set; campaigns use others) equals torch: losses, gradients, parameters, dtypes,
+   state dicts, the collectives in issue order, the exceptions.  A difference ``minifsdp/fuzz/known.py`` explains
+   (torch is the one that is wrong) passes here and is pinned by its own test below.
+2. The instrument is not vacuous: most programs run to their end on both sides, the drawn programs cover what
+   users write, and a planted fault in the core is caught (``tests/planted_faults/catalog.py`` names a test here).
+3. Its parts: drawing, JSON, comparison, shrinking's simplifications, the scripts it prints.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from minifsdp import spawn
+from minifsdp.fuzz import Program, draw
+from minifsdp.fuzz.campaign import run_batch
+from minifsdp.fuzz.compare import differences, first_difference
+from minifsdp.fuzz.known import KNOWN, explain
+from minifsdp.fuzz.program import block_paths
+from minifsdp.fuzz.script import to_script
+from minifsdp.fuzz.shrink import simplifications
+from minifsdp.fuzz.trees import KINDS, RETURNS, build_model
+from tests._workers_fuzz import both_sides
+
+# CI's fixed seeds; `python -m minifsdp fuzz` campaigns use others (chapters/results/fuzz_campaign.md)
+CI_SEEDS = {"fsdp1": list(range(0, 40)), "fsdp2": list(range(0, 24))}
+CASES = [(impl, seed) for impl, seeds in CI_SEEDS.items() for seed in seeds]
+
+
+@pytest.fixture(scope="module")
+def outcomes(request):
+    """The selected CI programs, run in a few spawns (a test run alone, as a planted fault runs it, runs one)."""
+    chosen = {item.callspec.params["case"] for item in request.session.items
+              if item.module.__name__ == __name__ and getattr(item, "originalname", "") == "test_program_equals_torch"}
+    by_key = collections.defaultdict(list)
+    for impl, seed in sorted(chosen):
+        program = draw(seed, impl)
+        by_key[(impl, program.world_size)].append(program)
+    found = {}
+    for group in by_key.values():
+        for lo in range(0, len(group), 20):
+            for o in run_batch(group[lo: lo + 20]):
+                found[(o.program.impl, o.program.seed)] = o
+    return found
+
+
+def _report(o) -> str:
+    lines = [o.program.summary()] + [f"  {d[0]} at {d[1]}: {d[2]}" for d in o.unexplained]
+    return "\n".join(lines + ["reproduce: python -m minifsdp fuzz --impl {} --seed {} --cases 1 --shrink".format(
+        o.program.impl, o.program.seed)])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{i}-{s}" for i, s in CASES])
+def test_program_equals_torch(outcomes, case):
+    o = outcomes[case]
+    assert o.crash is None, _report(o)
+    assert not o.unexplained, _report(o)
+
+
+def test_the_ci_programs_run_to_their_end_on_both_sides(outcomes):
+    """A fuzzer whose programs all raise at wrapping compares nothing: most must run every step."""
+    if len(outcomes) < len(CASES):
+        pytest.skip("needs every CI program (run the whole module)")
+    for impl in CI_SEEDS:
+        ran = [o for (i, _), o in outcomes.items() if i == impl and not any(o.errors.values())]
+        assert len(ran) >= 0.6 * len(CI_SEEDS[impl]), f"{impl}: only {len(ran)} programs ran every step"
+
+
+# ---------------------------------------------------------------------- the programs drawn
+def test_a_seed_draws_one_program_and_json_keeps_it():
+    for impl in ("fsdp1", "fsdp2"):
+        a, b = draw(7, impl), draw(7, impl)
+        assert a == b and a != draw(8, impl)
+        assert Program.from_json(a.to_json()) == a
+        assert a.replace(world_size=1).model is not a.model  # a replace never shares nested dicts
+
+
+def test_drawn_programs_cover_what_users_write():
+    """Over 600 seeds each: every container a block or the root returns, every block kind, every step, every
+    strategy and world size, each mixed-precision field, frozen, tied, ignored, a module called twice."""
+    seen = collections.Counter()
+    for impl in ("fsdp1", "fsdp2"):
+        for seed in range(600):
+            p = draw(seed, impl)
+            seen.update(f"{impl} step {s['op']}" for s in p.steps)
+            blocks = p.model["blocks"]
+            seen.update({f"{impl} world {p.world_size}", f"out {p.model['out']}",
+                         *(f"ret {b['ret']}" for b in blocks), *(f"kind {b['kind']}" for b in blocks)})
+            seen.update(k for k in ("tie", "repeat", "frozen") if p.model[k] not in (False, None, []))
+            seen.update(f"{impl} {k}={v}" for k, v in p.options.items() if not isinstance(v, dict))
+            seen.update(f"{impl} mp {k}" for k, v in (p.options["mixed_precision"] or {}).items() if v)
+            seen.update(["ignored"] if p.wrap.get("ignored") else [])
+    need = [f"out {r}" for r in RETURNS] + [f"ret {r}" for r in RETURNS] + [f"kind {k}" for k in KINDS]
+    need += [f"fsdp1 step {s}" for s in ("train", "accum", "no_sync", "eval", "no_grad", "state_dict",
+                                         "optim_state_dict", "summon")]
+    need += [f"fsdp2 step {s}" for s in ("train", "accum", "no_sync", "eval", "no_grad", "state_dict", "unshard")]
+    need += [f"fsdp1 sharding_strategy={s}" for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                                                      "_HYBRID_SHARD_ZERO2")]
+    need += [f"{i} world {n}" for i in ("fsdp1", "fsdp2") for n in (1, 2, 3, 4)]
+    need += [f"fsdp1 mp {k}" for k in ("param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_grads")]
+    need += [f"fsdp2 mp {k}" for k in ("param_dtype", "reduce_dtype", "output_dtype")]
+    need += ["tie", "repeat", "frozen", "ignored", "fsdp1 use_orig_params=True", "fsdp1 forward_prefetch=True",
+             "fsdp1 cpu_offload=True", "fsdp1 scaler=True", "fsdp2 reshard_after_forward=False",
+             "fsdp2 reshard_after_forward=2", "fsdp2 mesh=2d"]
+    rare = {k: seen[k] for k in need if seen[k] < 5}
+    assert not rare, rare
+
+
+def test_every_program_builds_and_its_paths_exist():
+    for impl in ("fsdp1", "fsdp2"):
+        for seed in range(30):
+            p = draw(seed, impl)
+            model = build_model(p.model, p.seed)
+            for path in p.wrap.get("manual", []) + p.wrap.get("ignored", []) + block_paths(p.model):
+                model.get_submodule(path)
+            out = model(torch.randint(0, p.model["vocab"], (2,)) if p.model["input"] == "tokens"
+                        else torch.randn(2, p.model["d_in"]))
+            assert out is not None
+
+
+# ---------------------------------------------------------------------- its parts
+def test_compare_sees_one_bit_and_not_a_nans_sign():
+    a = torch.tensor([1.0, 2.0, float("nan")])
+    assert first_difference(a, a.clone()) is None
+    assert first_difference(a, torch.tensor([1.0, 2.0, -float("nan")])) is None  # a NaN's sign is not an answer
+    b = a.clone()
+    b[1] = torch.nextafter(torch.tensor(2.0), torch.tensor(3.0))
+    assert "1 of 3 numbers differ" in first_difference(a, b)
+    assert first_difference(torch.tensor([0.0]), torch.tensor([-0.0])) is not None
+    assert "torch.float32(3,) vs torch.bfloat16(3,)" in first_difference(a, a.bfloat16())
+    assert "2 vs 3 items" in first_difference([1, 2], [1, 2, 3])
+    assert first_difference([("x", torch.ones(1))], [("x", torch.zeros(1))]).startswith("x.1: 1 of 1")  # named
+
+
+def test_every_simplification_is_a_smaller_valid_program():
+    for impl in ("fsdp1", "fsdp2"):
+        for seed in range(40):
+            p = draw(seed, impl)
+            candidates = simplifications(p)
+            assert candidates, p.summary()
+            for c in candidates:
+                assert c != p
+                model = build_model(c.model, c.seed)
+                for path in c.wrap.get("manual", []) + c.wrap.get("ignored", []) + c.model["frozen"]:
+                    model.get_submodule(path)
+                assert c.model["repeat"] is None or c.model["repeat"] < len(c.model["blocks"])
+
+
+def test_scripts_are_python_that_compiles():
+    for impl in ("fsdp1", "fsdp2"):
+        for seed in range(40):
+            p = draw(seed, impl)
+            compile(to_script(p, ("grads", "step 1 (accum)", "x: 1 of 9 numbers differ")), f"{impl}_{seed}.py", "exec")
+
+
+# ---------------------------------------------------------------------- where ours parts from torch on purpose
+def _pinned(**options) -> Program:
+    """A small FSDP1 program at 2 ranks: one block unit, two training steps, then what ``options`` adds."""
+    steps = options.pop("steps", [])
+    p = draw(0, "fsdp1")
+    model = dict(p.model, input="dense", tie=False, container="sequential", out="tensor", repeat=None, frozen=[],
+                 blocks=[{"kind": "mlp", "hidden": 5, "ret": "tensor"}, {"kind": "linear", "ret": "tensor"}])
+    opts = dict(p.options, sharding_strategy="FULL_SHARD", use_orig_params=False, mixed_precision=None,
+                backward_prefetch="BACKWARD_PRE", forward_prefetch=False, limit_all_gathers=True, cpu_offload=False,
+                scaler=False)
+    opts.update(options)
+    train = {"op": "train", "clip": None, "set_to_none": True}
+    return p.replace(world_size=2, model=model, options=opts, optimizer={"name": "adam", "lr": 0.01},
+                     wrap={"policy": "module", "classes": ["Block"], "min_num_params": 1, "manual": [], "ignored": []},
+                     steps=[train, train] + steps + [train])
+
+
+PINNED = {
+    "cpu_offload_refused_at_wrapping": _pinned(cpu_offload=True),
+    "sharded_state_dict_is_dtensor": _pinned(steps=[{"op": "state_dict", "type": "SHARDED", "rank0_only": False,
+                                                      "offload": False, "load": True}]),
+    "local_state_dict_with_orig_params": _pinned(use_orig_params=True, steps=[
+        {"op": "state_dict", "type": "LOCAL", "rank0_only": False, "offload": False, "load": True}]),
+}
+
+
+@pytest.fixture(scope="module")
+def pinned():
+    names = list(PINNED)
+    per_rank = spawn(both_sides, ([PINNED[n].to_json() for n in names],), world_size=2, timeout_s=300)
+    assert len(per_rank) == 2 and all(len(r) == len(names) for r in per_rank)
+    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+
+
+def test_every_known_difference_has_a_pinned_program():
+    assert sorted(k.name for k in KNOWN) == sorted(PINNED)
+
+
+@pytest.mark.parametrize("name", list(PINNED))
+def test_known_difference_is_explained_and_only_it(pinned, name):
+    """The entry explains each difference its program shows, on every rank, and no other entry is needed."""
+    program = PINNED[name]
+    for rank, rec in enumerate(pinned[name]):
+        diffs = differences(rec["ours"], rec["torch"], [s["op"] for s in program.steps])
+        assert diffs, f"rank {rank}: {name} shows no difference any more: has torch changed? drop the entry"
+        assert set(explain(program, diffs).values()) == {name}, (rank, diffs)
+        assert len(explain(program, diffs)) == len(diffs), (rank, diffs)
+
+
+def test_pinned_cpu_offload_torch_fails_at_the_first_forward_ours_at_wrapping(pinned):
+    for rec in pinned["cpu_offload_refused_at_wrapping"]:
+        assert rec["torch"]["error"][:2] == (0, "RuntimeError")
+        assert "Cannot access accelerator" in rec["torch"]["error"][2]
+        assert rec["ours"]["error"][:2] == (-1, "RuntimeError")
+        assert "CPUOffload(offload_params=False)" in rec["ours"]["error"][2]
+
+
+def test_pinned_sharded_state_dict_torch_shardedtensor_ours_dtensor_same_numbers(pinned):
+    i = 2  # the state_dict step
+    for rec in pinned["sharded_state_dict_is_dtensor"]:
+        assert rec["torch"]["error"] is None and rec["ours"]["error"] is None
+        t, o = rec["torch"]["steps"][i], rec["ours"]["steps"][i]
+        assert {k for _, k in t["state_types"]} == {"ShardedTensor", "Tensor"} or \
+            {k for _, k in t["state_types"]} == {"ShardedTensor"}
+        assert [k for _, k in o["state_types"]] == [
+            "DTensor(Shard(dim=0),)" if k == "ShardedTensor" else k for _, k in t["state_types"]]
+        assert first_difference(o["state"], t["state"]) is None
+        assert first_difference(rec["ours"]["final"], rec["torch"]["final"]) is None
+
+
+def test_pinned_local_with_orig_params_torch_cannot_load_its_own_dict_ours_can(pinned):
+    i = 2
+    for rec in pinned["local_state_dict_with_orig_params"]:
+        assert rec["torch"]["error"][:2] == (i, "RuntimeError") and "Unexpected key" in rec["torch"]["error"][2] \
+            or rec["torch"]["error"][2].startswith("Error(s) in loading state_dict")
+        assert rec["ours"]["error"] is None
+        keys = [k for k, _ in rec["ours"]["steps"][i]["state_types"]]
+        assert keys and all(k.endswith("_flat_param") for k in keys), keys
