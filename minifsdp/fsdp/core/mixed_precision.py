@@ -3,7 +3,8 @@
     flat_param (fp32 shard) --cast--> param_dtype shard --all-gather--> full (param_dtype) --> forward, backward
     flat_param.grad (fp32) <--cast-- /(N/f) <-- reduce-scatter <-- /f <-- full grad --cast--> reduce_dtype
 
-The optimizer sees fp32 only (``keep_low_precision_grads`` keeps gradient shards in ``param_dtype``);
+The optimizer sees fp32 only (``keep_low_precision_grads`` keeps gradient shards in ``param_dtype``, cast
+once from the fp32 sum of the backwards they accumulate, and NO_SHARD's in ``reduce_dtype``, as torch's);
 the *shard* is cast before the all-gather, so half the bytes move; the divides by ``f`` and ``N / f``
 happen in ``reduce_dtype``; buffers are cast to ``buffer_dtype`` once, at the root's first forward;
 the root casts floating-point inputs to ``param_dtype`` (every unit with ``cast_forward_inputs``).
@@ -71,8 +72,7 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
         return tree
     return _apply_to_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)
 
-# a buffer an extension marks with this attribute keeps its dtype: FSDP does not manage it
-KEEP_DTYPE = "_fsdp_keep_dtype"
+KEEP_DTYPE = "_fsdp_keep_dtype"  # a buffer an extension marks with this attribute keeps its dtype
 
 def cast_buffers(units: list) -> dict:
     """The root's first forward: each floating-point buffer cast in place to its own unit's ``buffer_dtype``, once
