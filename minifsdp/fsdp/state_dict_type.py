@@ -18,6 +18,12 @@ reads the flat parameter itself.  Parameters no unit manages (``ignored_modules`
 FSDP skips) are the module's own tensors under every type, as torch's.  A NO_SHARD unit (FSDP
 on one rank too) gives and loads FULL whatever the type, with torch's warning.
 
+Buffers under ``MixedPrecision(buffer_dtype=...)``, as torch's: FULL and SHARDED show them cast back to the
+dtype they had before that cast, LOCAL as the module holds them (in ``buffer_dtype``).  Before the first
+forward, taking or loading a state dict first does what that forward would (torch's state-dict hooks begin
+with its ``_lazy_init``): the unit becomes the root and the buffers are cast, so FULL shows each buffer
+rounded through ``buffer_dtype`` and back.
+
 Note (torch's enum and config classes, not copies): ``StateDictType``,
 ``FullStateDictConfig``, ``ShardedStateDictConfig``, ``LocalStateDictConfig``, the
 ``*OptimStateDictConfig`` and ``StateDictSettings`` are torch's own
@@ -64,7 +70,7 @@ from minifsdp.fsdp import full_state_dict as full_sd
 from minifsdp.fsdp import pitfalls
 from minifsdp.fsdp.core.strategy import ShardingStrategy
 from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units, units_with_params
-from minifsdp.fsdp.full_state_dict import buffer_dtype_of, full_state_dict, load_full_state_dict_into_shards
+from minifsdp.fsdp.full_state_dict import full_state_dict, load_full_state_dict_into_shards
 
 __all__ = ["load_full_state_dict", "StateDictType", "StateDictConfig", "FullStateDictConfig",
            "ShardedStateDictConfig",
@@ -237,9 +243,8 @@ def _local_state_dict(root) -> "OrderedDict[str, torch.Tensor]":
                                               process_group=h.groups.shard)
         elif name in m._parameters:  # no unit manages it: the module's own tensor
             out[key] = m._parameters[name].detach()
-        else:
-            b = m._buffers[name]
-            out[key] = b.detach().to(buffer_dtype_of(root, m, name, b), copy=True)
+        else:  # as the module holds it: in buffer_dtype once cast (torch casts back in FULL and SHARDED only)
+            out[key] = m._buffers[name].detach().clone()
     return out
 
 
@@ -255,8 +260,16 @@ def _effective(unit) -> tuple[StateDictType, StateDictConfig]:
     return settings.state_dict_type, settings.state_dict_config
 
 
+def _lazy_init(unit) -> None:
+    """torch's state-dict hooks begin with its ``_lazy_init``: before the first forward, this unit becomes the root
+    then, and ``MixedPrecision.buffer_dtype`` casts the buffers then (FULL and SHARDED show them cast back)."""
+    if unit._root is None:
+        unit._lazy_init()
+
+
 def typed_state_dict(unit) -> "OrderedDict[str, torch.Tensor]":
     """``unit.state_dict()`` under its state-dict type (a collective for FULL and SHARDED)."""
+    _lazy_init(unit)
     kind, cfg = _effective(unit)
     if kind is StateDictType.FULL_STATE_DICT:
         sd = full_state_dict(unit, rank0_only=cfg.rank0_only)
@@ -273,6 +286,7 @@ def typed_state_dict(unit) -> "OrderedDict[str, torch.Tensor]":
 def load_typed_state_dict(unit, state_dict, strict: bool = True):
     """``unit.load_state_dict(sd)`` under its state-dict type."""
     pitfalls.check_load_awaits_backward(unit)
+    _lazy_init(unit)
     kind, _ = _effective(unit)
     if kind is StateDictType.SHARDED_STATE_DICT:
         state_dict = OrderedDict((k, v.full_tensor() if isinstance(v, DTensor) else v)

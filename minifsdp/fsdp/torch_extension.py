@@ -5,7 +5,8 @@ points ``core/extension.py`` lists:
 
     point            what it adds, as torch FSDP1
     on_wrap          ``ignored_modules`` / ``ignored_states``: their parameters stay out of the flat
-                     parameter (and out of the checks); the wrap-time checks (``checks.py``): one device,
+                     parameter (and out of the checks), their buffers out of ``buffer_dtype``'s cast
+                     (:data:`KEEP_DTYPE`); the wrap-time checks (``checks.py``): one device,
                      the same weights on every rank or ``sync_module_states``, a weight tied across units;
                      a unit mixing frozen and trainable parameters is refused unless ``use_orig_params``;
                      a mark on every original taken over (:data:`FLATTENED`, read by two checks)
@@ -35,7 +36,7 @@ from minifsdp.fsdp.checks import (
 )
 from minifsdp.fsdp.core.extension import Extension
 from minifsdp.fsdp.core.flat_param import build_layout
-from minifsdp.fsdp.core.mixed_precision import resolve_dtypes
+from minifsdp.fsdp.core.mixed_precision import KEEP_DTYPE, resolve_dtypes
 from minifsdp.fsdp.core.state import HandleState
 from minifsdp.fsdp.core.units import units
 from minifsdp.fsdp.deferred_init import sync_module_states
@@ -61,6 +62,8 @@ class TorchExtension(Extension):
         params = [s.param for s in layout.slots] if layout is not None else []
         kept = [p for p in params if p not in self.ignored_params]
         ignored_buffers = {id(b) for m in self.ignored_modules for b in m.buffers()}
+        for b in (b for m in self.ignored_modules for b in m.buffers()):  # MixedPrecision leaves them as they are
+            setattr(b, KEEP_DTYPE, True)
         nested = {id(b) for m in units(module) for b in m.buffers()}
         buffers = [b for b in module.buffers() if id(b) not in nested and id(b) not in ignored_buffers]
         check_one_device(module, kept, buffers)

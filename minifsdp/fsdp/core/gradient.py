@@ -3,6 +3,7 @@
     post-backward   full grad (compute dtype) --cast--> reduce_dtype --/f--> reduce-scatter  (started)
     later           wait --HYBRID: all-reduce across replicas--> /(N/f) --cast--> fp32
                     --> added into flat_param.grad (or into the shard kept from an earlier backward)
+                    (keep_low_precision_grads: the sum cast to param_dtype; NO_SHARD's kept in reduce_dtype)
 
 The reduce-scatter and its two divides on N = 4 ranks, f = 2 (``strategy.py``, Note).  Rank r's padded full
 gradient is four shard-sized pieces [ar br cr dr]; piece i of every rank is summed onto rank i:
@@ -98,6 +99,7 @@ class UnitGradient:
         self.in_flight = self.saved_shard = None
         # f and N / f (strategy.py, Note)
         self.predivide, self.postdivide = handle.plan.divide_factors()
+        self.keeps_low = getattr(handle.mixed_precision, "keep_low_precision_grads", False)  # (mixed_precision.py)
 
     def prepare(self) -> None:
         """Pre-backward: honour a ``zero_grad()`` since the last backward; set a kept shard aside.
@@ -186,18 +188,23 @@ class UnitGradient:
         if h.plan.reduce_scatter_in is None:  # NO_SHARD: r.out is flat_param.grad, or its cast to reduce_dtype
             if self.postdivide > 1:
                 r.out.div_(self.postdivide)
-            if r.out is not h.flat_param.grad or r.out.dtype != h.dtypes.grad:
-                # torch: _cast_grad_to_param_dtype
-                set_grad(h.flat_param, r.out.to(h.dtypes.grad))
+            # torch: _cast_grad_to_param_dtype, which keep_low_precision_grads skips (kept in reduce_dtype)
+            dtype = r.out.dtype if self.keeps_low else h.dtypes.grad
+            if r.out is not h.flat_param.grad or r.out.dtype != dtype:
+                set_grad(h.flat_param, r.out.to(dtype))
             return True
         if h.plan.all_reduce_in:  # HYBRID: the shard group's sum, summed again over the replicas
             h.comm.all_reduce(r.out, group=h.groups.replicate, async_op=True).wait()
-        out = finish_reduced_shard(r.out, self.postdivide, h.dtypes.grad)
+        out = finish_reduced_shard(r.out, self.postdivide, h.dtypes.orig)
         kept = self.saved_shard if self.saved_shard is not None else h.flat_param.grad
         # (consumed: this backward's shard is added to it)
         self.saved_shard = None
         if kept is not None:
-            # torch's order: kept + new
-            kept += out
-        set_grad(h.flat_param, kept if kept is not None else out)
+            # torch's order: kept + new, in the shards' dtype (torch: prepare_gradient_for_backward upcasts)
+            if self.keeps_low:
+                kept.data = kept.to(out.dtype)
+            out = kept.add_(out)
+        if self.keeps_low:  # then cast down once (torch: prepare_gradient_for_optim)
+            out.data = out.to(h.dtypes.grad)
+        set_grad(h.flat_param, out)
         return True

@@ -3,7 +3,8 @@
     flat_param (fp32 shard) --cast--> param_dtype shard --all-gather--> full (param_dtype) --> forward, backward
     flat_param.grad (fp32) <--cast-- /(N/f) <-- reduce-scatter <-- /f <-- full grad --cast--> reduce_dtype
 
-The optimizer sees fp32 only (``keep_low_precision_grads`` keeps gradient shards in ``param_dtype``);
+The optimizer sees fp32 only (``keep_low_precision_grads`` keeps gradient shards in ``param_dtype``, cast
+once from the fp32 sum of the backwards they accumulate, and NO_SHARD's in ``reduce_dtype``, as torch's);
 the *shard* is cast before the all-gather, so half the bytes move; the divides by ``f`` and ``N / f``
 happen in ``reduce_dtype``; buffers are cast to ``buffer_dtype`` once, at the root's first forward;
 the root casts floating-point inputs to ``param_dtype`` (every unit with ``cast_forward_inputs``).
@@ -71,18 +72,20 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
         return tree
     return _apply_to_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)
 
+KEEP_DTYPE = "_fsdp_keep_dtype"  # a buffer an extension marks with this attribute keeps its dtype
+
 def cast_buffers(units: list) -> dict:
-    """The root's first forward: each floating-point buffer cast to its own unit's ``buffer_dtype``, once (torch's
-    ``_cast_buffers_to_dtype_and_device``); returns ``{(id(module), name): its dtype before}`` for state dicts."""
+    """The root's first forward: each floating-point buffer cast in place to its own unit's ``buffer_dtype``, once
+    (torch's ``_cast_buffers_to_dtype_and_device``); returns ``{(id(module), name): its dtype before}``."""
     before, claimed = {}, set()  # (id(module), buffer name) pairs
     for unit in reversed(units):  # innermost first: a buffer belongs to the innermost unit that holds it
         mp = unit.mixed_precision
         for m in unit.module.modules():
             for name, b in m._buffers.items():
-                if b is None or (id(m), name) in claimed:
+                if b is None or (id(m), name) in claimed or getattr(b, KEEP_DTYPE, False):
                     continue
                 claimed.add((id(m), name))
                 if mp is not None and mp.buffer_dtype not in (None, b.dtype) and b.is_floating_point():
                     before[(id(m), name)] = b.dtype
-                    m._buffers[name] = b.to(mp.buffer_dtype)
+                    b.data = b.to(mp.buffer_dtype)
     return before
