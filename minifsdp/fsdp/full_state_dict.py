@@ -9,9 +9,10 @@ whole at once:
          blocks.0 gathered ------ freed   blocks.1 gathered ------ freed
 
 That walk is here, with torch's options: ``rank0_only`` (every rank gathers, rank 0 of the shard
-group keeps the dict, the others what no unit holds), buffers in their dtype before ``MixedPrecision.buffer_dtype``'s cast, parameters no unit
-manages kept as they are (``ignored_modules``), a ``transform`` of each whole parameter (the
-checkpoints' pieces), and loading one back into the shards.
+group keeps the dict, the others only what no unit holds), buffers in their dtype before
+``MixedPrecision.buffer_dtype``'s cast, parameters no unit manages kept as they are
+(``ignored_modules``), a ``transform`` of each whole parameter (the checkpoints' pieces), and
+loading one back into the shards.
 """
 
 from __future__ import annotations

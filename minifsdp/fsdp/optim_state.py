@@ -69,7 +69,8 @@ def _group(model):
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict=None, group=None) -> dict:
     """torch FSDP1's FULL optimizer state dict: whole tensors under the plain names (a collective)."""
     cfg = _full_type(model, "optim_state_dict")
-    return full_optim_state_dict(model, optim, rank0_only=cfg.rank0_only, group=group, offload_to_cpu=cfg.offload_to_cpu)
+    return full_optim_state_dict(model, optim, rank0_only=cfg.rank0_only, group=group,
+                                 offload_to_cpu=cfg.offload_to_cpu)
 
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = False,
