@@ -29,7 +29,7 @@ from tests._workers_fsdp import assert_bitwise
 THREE = [("save_and_resume", "FULL_SHARD", False), ("save_and_resume", "FULL_SHARD", True),
          ("rank0_only", "NO_SHARD", False, "Net"), ("rank0_only", "FULL_SHARD", True, "BareRoot"),
          ("scaler",)]
-FOUR = [("save_and_resume", "HYBRID_SHARD", False), ("save_and_resume", "HYBRID_SHARD", True)]
+FOUR = [("save_and_resume", "HYBRID_SHARD", True)]  # (the flat-parameter path: FULL_SHARD on 3 ranks)
 SAVES = [c for c in THREE + FOUR if c[0] == "save_and_resume"]
 
 
