@@ -106,8 +106,8 @@ def full_optim_state_dict(model: nn.Module, optimizer, rank0_only: bool = True, 
     """The optimizer state with whole tensors under original names (collective: gathers every rank's pieces).
 
     torch FSDP1's ``FSDP.optim_state_dict`` format, and the same function
-    (``minifsdp/fsdp/optim_state.py``); on other ranks ``{}`` when ``rank0_only``.  ``group``: the
-    ranks the model is sharded over (default: its shard group, or all).
+    (``minifsdp/fsdp/optim_state.py``): gathered over the model's shard group; with ``rank0_only``, ``{}``
+    on the ranks other than rank 0 of ``group`` (default: all ranks, as torch's ``full_optim_state_dict``).
     """
     return fsdp_optim_state.full_optim_state_dict(model, optimizer, rank0_only=rank0_only, group=group, table=table)
 

@@ -126,7 +126,8 @@ def _summoned(unit, writeback: bool, shown: bool):
 def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False):
     """Inside: every unit under ``module`` is whole; ``module.blocks[0].attn.qkv.weight`` has its full shape.
     Collective.  ``writeback`` (torch's default) copies in-place edits into each rank's shard; ``rank0_only``
-    (with ``writeback=False``): the others gather and see their shards; ``recurse=False``: this unit only."""
+    (with ``writeback=False``): only rank 0 of each unit's shard group sees it whole, the others gather
+    and see their shards; ``recurse=False``: this unit only."""
     if rank0_only and writeback:
         raise NotImplementedError("summon_full_params(rank0_only=True) needs writeback=False (as in torch): "
                                   "only rank 0 holds the full parameters to write back from")
@@ -137,11 +138,17 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
             raise AssertionError(  # torch's type ("Cannot manually unshard parameters during forward/backward")
                 f"summon_full_params() while a unit is in {u.training_state.name} is not supported "
                 "(inside a forward, a backward or another summon_full_params); call it between steps")
-    shown = not rank0_only or dist.get_rank() == 0  # the others gather (a collective) but show their shards
     with torch.no_grad(), contextlib.ExitStack() as stack:  # exited in reverse: the innermost unit first
-        for u in inside:
-            stack.enter_context(_summoned(u, writeback, shown))
+        for u in inside:  # with rank0_only, the others gather (a collective) but show their shards
+            stack.enter_context(_summoned(u, writeback, shows_full_params(u, rank0_only)))
         yield
+
+
+def shows_full_params(unit, rank0_only: bool) -> bool:
+    """Does this rank see ``unit``'s full parameters inside ``summon_full_params(rank0_only=...)``?  With
+    ``rank0_only``, rank 0 of the unit's shard group only (torch's ``fsdp_state.rank``: under HYBRID_SHARD, one
+    rank per replica)."""
+    return not rank0_only or unit.groups.shard_rank == 0
 
 
 def grad_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -8,10 +8,11 @@ whole at once:
     root gathered ----------------------------------------------------------- freed
          blocks.0 gathered ------ freed   blocks.1 gathered ------ freed
 
-That walk is here, with torch's options: ``rank0_only`` (every rank gathers, rank 0 keeps the
-dict), buffers in their dtype before ``MixedPrecision.buffer_dtype``'s cast, parameters no unit
-manages kept as they are (``ignored_modules``), a ``transform`` of each whole parameter (the
-checkpoints' pieces), and loading one back into the shards.
+That walk is here, with torch's options: ``rank0_only`` (every rank gathers, rank 0 of the shard
+group keeps the dict, the others only what no unit holds), buffers in their dtype before
+``MixedPrecision.buffer_dtype``'s cast, parameters no unit manages kept as they are
+(``ignored_modules``), a ``transform`` of each whole parameter (the checkpoints' pieces), and
+loading one back into the shards.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ import contextlib
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units_with_params
-from minifsdp.fsdp.full_params import summon_full_params
+from minifsdp.fsdp.full_params import shows_full_params, summon_full_params
 
 __all__ = ["full_state_dict", "load_full_state_dict_into_shards", "buffer_dtype_of"]
 
@@ -59,18 +59,27 @@ def _persistent_buffers(m: nn.Module) -> list[str]:
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None) -> "OrderedDict[str, torch.Tensor]":
     """Every parameter (tied ones under both names) and persistent buffer, whole, with the plain model's names,
-    in ``module.state_dict()``'s key order.  ``rank0_only``: every rank takes part in the all-gathers, rank 0
-    returns the dict, the others ``{}``.  ``transform`` (of the whole parameter, while its unit is gathered)
-    makes the value stored instead."""
+    in ``module.state_dict()``'s key order.  ``transform`` (of the whole parameter, while its unit is gathered)
+    makes the value stored instead.
+
+    ``rank0_only``: every rank takes part in the all-gathers; the ranks that are not rank 0 of a unit's shard
+    group (under HYBRID_SHARD, rank 0 of each replica keeps it all, as torch's ``fsdp_state.rank``) drop what
+    that unit holds: the parameters it manages and every buffer under it (torch's
+    ``_common_unshard_post_state_dict_hook``).  What no unit with parameters holds stays on every rank, as
+    torch's: the parameters of an ignored module (the rank's own), and buffers outside every such unit."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    keep = not rank0_only or dist.get_rank() == 0
     flat_ids = {id(u._handle.flat_param) for u in units_with_params(module)}
     own = {id(p) for p in module.parameters()} - flattened_params(module)  # no unit manages them: kept, as torch
+    dropping = [u for u in units_with_params(module) if rank0_only and not shows_full_params(u, rank0_only)]
+    dropped = {(id(s.module), s.name) for u in dropping for s in (*u._handle.layout.slots, *u._handle.layout.shared)}
+    no_buffers = {id(m) for u in dropping for m in u.modules()}
     clones: dict[int, tuple] = {}  # a tied parameter is copied once, shown under both names
 
     def visit(m, prefix):
-        for name in _param_names(m, {}, flat_ids) if keep else []:
+        for name in _param_names(m, {}, flat_ids):
             p = m._parameters[name]
+            if (id(m), name) in dropped and id(p) not in own:
+                continue
             if id(p) not in clones:  # (p, its copy): p kept alive, so that its id is not reused
                 if id(p) in own:  # the module's own tensor, untransformed (torch's SHARDED keeps it too)
                     clones[id(p)] = (p, p.detach())
@@ -78,8 +87,8 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None)
                     full = p.detach().clone()
                     clones[id(p)] = (p, transform(full) if transform is not None else full)
             out[clean_name(prefix + name)] = clones[id(p)][1]
-        for name in _persistent_buffers(m) if keep else []:  # in its dtype before buffer_dtype's cast, as torch
-            b = m._buffers[name]
+        for name in _persistent_buffers(m) if id(m) not in no_buffers else []:  # in its dtype before
+            b = m._buffers[name]  # buffer_dtype's cast, as torch
             out[clean_name(prefix + name)] = b.detach().to(buffer_dtype_of(module, m, name, b))
 
     with torch.no_grad():

@@ -14,6 +14,17 @@ each tensor the optimizer steps holds.  Saving all-gathers every rank's pieces
 out (no communication, unless ``FullOptimStateDictConfig(rank0_only=True)``: then rank 0's dict is
 broadcast first).  ``minifsdp.checkpoint``'s full optimizer state dict is this one.
 
+A parameter no unit manages (``ignored_modules`` / ``ignored_states``) is each rank's own, so its state is
+too, as torch's: saving gives each rank its own optimizer's state for it (nothing gathered), loading gives
+each rank's optimizer the state in the dict that rank passed (with ``rank0_only``: rank 0's, broadcast).
+
+Note (where torch FSDP1 is wrong, on CPU): with ``use_orig_params=True`` and ``offload_to_cpu=True`` (the
+default of ``FullOptimStateDictConfig``), torch all-gathers every state name of a sharded unit into one
+reused buffer and keeps views of it, since ``.cpu()`` of a CPU tensor is no copy
+(``_optim_utils._allgather_orig_param_states``): every positive-dim entry holds the last name's numbers,
+Adam's ``exp_avg`` equals its ``exp_avg_sq``, and a resume from it diverges.  Ours gives each its own
+(``tests/test_state_dict_parity.py`` holds both).
+
 Only the FULL type is offered (torch's default); SHARDED / LOCAL optimizer state dicts are refused
 with the fix (``minifsdp.checkpoint`` saves sharded optimizer state).
 """
@@ -25,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import StateDictType
 
-from minifsdp.fsdp.core.units import units
+from minifsdp.fsdp.core.units import units, units_with_params
 from minifsdp.fsdp.param_pieces import PieceTable, piece_table
 from minifsdp.fsdp.state_dict_type import get_state_dict_type
 
@@ -58,22 +69,32 @@ def _group(model):
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict=None, group=None) -> dict:
     """torch FSDP1's FULL optimizer state dict: whole tensors under the plain names (a collective)."""
     cfg = _full_type(model, "optim_state_dict")
-    return full_optim_state_dict(model, optim, rank0_only=cfg.rank0_only, group=group)
+    return full_optim_state_dict(model, optim, rank0_only=cfg.rank0_only, group=group,
+                                 offload_to_cpu=cfg.offload_to_cpu)
 
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = False,
-                          group=None, table: PieceTable | None = None) -> dict:
-    """Whole optimizer state under the plain names, torch FSDP1's format and key order (a collective over
-    ``group``, default: the model's shard group; ``{}`` on ranks other than 0 with ``rank0_only``).
+                          group=None, table: PieceTable | None = None, offload_to_cpu: bool = False) -> dict:
+    """Whole optimizer state under the plain names, torch FSDP1's format and key order (a collective).
+
+    The pieces are gathered over the model's shard group; ``rank0_only``: ranks other than rank 0 of
+    ``group`` (default: all ranks, as torch) return ``{}``.  A parameter no unit manages (``ignored_modules``)
+    is not gathered: each rank gives its own optimizer's state for it, as torch's
+    ``_convert_state_with_flat_params`` / ``_convert_state_with_orig_params`` copy it.
     ``table``: the model's piece table (``param_pieces.piece_table``), if the caller has built it."""
     table = table if table is not None else piece_table(model)
     pieces = _pieces(table)
-    mine, order = [], []
+    unit_of = {r.fqn: r.unit for r in table.rows}  # -1: no unit manages it
+    mine, order, local = [], [], {}
     for g in optim.param_groups:
         for p in g["params"]:
             _, where = pieces.get(id(p), (p, []))
             order += [fqn for fqn, *_ in where]
             state = optim.state.get(p, {})
+            if where and unit_of.get(where[0][0], 0) < 0:  # this rank's own state, in the optimizer's order
+                if state:
+                    local[where[0][0]] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+                continue
             for fqn, src_lo, src_hi, dst in where:
                 if src_hi <= src_lo:
                     continue
@@ -82,11 +103,11 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
                         mine.append((fqn, k, dst, v.detach().reshape(-1)[src_lo:src_hi].clone()))
                     else:
                         mine.append((fqn, k, None, v.detach().clone() if torch.is_tensor(v) else v))
-    group = group if group is not None else _group(model)
     everyone = [mine]
     if dist.is_initialized():
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        over = _group(model) if units(model) else group  # the pieces live in the shard group
+        everyone = [None] * dist.get_world_size(over)
+        dist.all_gather_object(everyone, mine, group=over)
         if rank0_only and dist.get_rank(group) != 0:
             return {}
     shapes, state = table.shapes, {}
@@ -98,18 +119,48 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
         if k not in d:
             d[k] = torch.zeros(shapes[fqn].numel(), dtype=v.dtype, device=v.device)
         d[k][dst:dst + v.numel()] = v
-    orig = any(u._handle is not None and getattr(u, "use_orig_params", False) for u in units(model))
-    for fqn, d in state.items():  # torch's key order: the optimizer's (use_orig_params), else the
-        whole = {k: v.view(shapes[fqn]) for k, v in d.items() if torch.is_tensor(v) and v.dim() > 0}
-        state[fqn] = {**d, **whole} if orig else {**whole, **{k: v for k, v in d.items() if k not in whole}}
-        # gathered (positive-dim) tensors first, then the rest
+    with_units = units_with_params(model)
+    orig = any(getattr(u, "use_orig_params", False) for u in with_units)
+    for fqn, d in state.items():
+        state[fqn] = _in_torch_order({k: v.view(shapes[fqn]) if torch.is_tensor(v) and v.dim() > 0 else v
+                                      for k, v in d.items()},
+                                     orig, with_units[unit_of[fqn]]._handle.sharded)
+    state.update(local)
+    if offload_to_cpu:
+        state = {f: {k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for f, d in state.items()}
     names = iter(order)
     groups = []
     for g in optim.param_groups:
         count = sum(len(pieces.get(id(p), (p, []))[1]) for p in g["params"])
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [next(names) for _ in range(count)]})
-    keys = sorted(order) if orig else order  # torch's order: by name with use_orig_params, else the parameters'
-    return {"state": {f: state[f] for f in keys if f in state}, "param_groups": groups}
+    keys = _orig_key_order(sorted(state), unit_of) if orig else [f for f in order if f in state]
+    return {"state": {f: state[f] for f in keys}, "param_groups": groups}
+
+
+def _in_torch_order(d: dict, orig: bool, sharded: bool) -> dict:
+    """One parameter's state in torch's key order: without use_orig_params, positive-dim tensors, 0-dim tensors,
+    the rest, each by name (``_unflatten_communicated_optim_state``); with it, the rest, 0-dim tensors, then
+    positive-dim tensors, each by name (``_convert_all_state_info``), or the optimizer's own order where nothing
+    was gathered (NO_SHARD: ``_gather_all_orig_param_state`` returns it as it is)."""
+    if orig and not sharded:
+        return d
+
+    def kind(v):
+        return 0 if torch.is_tensor(v) and v.dim() > 0 else 1 if torch.is_tensor(v) else 2
+
+    ranks = (2, 1, 0) if orig else (0, 1, 2)
+    return {k: d[k] for rank in ranks for k in sorted(d) if kind(d[k]) == rank}
+
+
+def _orig_key_order(names: list[str], unit_of: dict[str, int]) -> list[str]:
+    """torch's order of the state with use_orig_params (``_convert_state_with_orig_params``): over the names
+    sorted, those no unit manages as met, then each unit's (in the order its first name is met), sorted."""
+    alone = [f for f in names if unit_of[f] < 0]
+    by_unit: dict[int, list[str]] = {}
+    for f in names:
+        if unit_of[f] >= 0:
+            by_unit.setdefault(unit_of[f], []).append(f)
+    return alone + [f for fs in by_unit.values() for f in fs]
 
 
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,

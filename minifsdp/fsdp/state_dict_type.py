@@ -1,7 +1,7 @@
 """``FSDP.state_dict_type``: which state dict ``model.state_dict()`` returns, as torch FSDP1 (chapter 4.3).
 
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
-        sd = model.state_dict()            # whole tensors, plain names (rank 0; {} elsewhere)
+        sd = model.state_dict()            # whole tensors, plain names (rank 0; see full_state_dict.py)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sd = model.state_dict()            # {name: DTensor}: this rank's dim-0 chunk of each parameter
         model.load_state_dict(sd)
@@ -15,8 +15,9 @@ Each maps onto the same walk: FULL is ``full_state_dict.full_state_dict``;
 SHARDED gathers one unit at a time the same way and keeps the chunk
 ``torch.chunk(param, N)[r]`` of each parameter (torch's layout for it); LOCAL
 reads the flat parameter itself.  Parameters no unit manages (``ignored_modules``, a module
-FSDP skips) are the module's own tensors under every type, as torch's.  A NO_SHARD unit (FSDP
-on one rank too) gives and loads FULL whatever the type, with torch's warning.
+FSDP skips) are the module's own tensors under every type, as torch's (with ``rank0_only``, on
+every rank).  A NO_SHARD unit (FSDP on one rank too) gives and loads FULL with the default config
+whatever was set (``rank0_only`` ignored: every rank gets it all), as torch's.
 
 Buffers under ``MixedPrecision(buffer_dtype=...)``, as torch's: FULL and SHARDED show them cast back to the
 dtype they had before that cast, LOCAL as the module holds them (in ``buffer_dtype``).  Before the first
@@ -250,12 +251,14 @@ def _local_state_dict(root) -> "OrderedDict[str, torch.Tensor]":
 
 def _effective(unit) -> tuple[StateDictType, StateDictConfig]:
     """The unit's state-dict type and config; a NO_SHARD unit (FSDP on 1 rank too) gives and loads FULL with
-    the default config whatever was set, with torch's warning (torch FSDP1's ``_post_state_dict_hook``)."""
+    the default config whatever was set (torch FSDP1's ``_post_state_dict_hook``): a FULL type's
+    ``rank0_only`` and ``offload_to_cpu`` too, so every rank gets the whole dict; with torch's warning where
+    the type was not FULL (torch warns on every NO_SHARD state dict)."""
     settings = settings_of(unit)
-    if getattr(unit, "sharding_strategy", None) is ShardingStrategy.NO_SHARD \
-            and settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
-        warnings.warn("When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
-                      stacklevel=3)
+    if getattr(unit, "sharding_strategy", None) is ShardingStrategy.NO_SHARD:
+        if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
+            warnings.warn("When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned.",
+                          stacklevel=3)
         return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
     return settings.state_dict_type, settings.state_dict_config
 
