@@ -87,6 +87,8 @@ def draw(seed: int, impl: str = "fsdp1") -> Program:
     else:
         options = _draw_fsdp2_options(rng)
         world = 4 if options["mesh"] == "2d" else rng.choices([1, 2, 3], [1, 5, 4])[0]
+        if options["reshard_after_forward"] == 2 and world % 2:  # an int must divide the shard group's size
+            options["reshard_after_forward"] = True
         wrap = _draw_fsdp2_wrap(rng, model)
         steps = _draw_steps(rng, STEPS_FSDP2, options)
     optimizer = {"name": rng.choice(["sgd", "adam", "adamw"]), "lr": rng.choice([0.1, 0.01])}
