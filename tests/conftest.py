@@ -4,7 +4,8 @@
 instructor's answers in ``exercises/solutions/``, the default where that folder is.  The student edition
 has none: there the task tests are skipped unless ``--impl=student`` is given, so the README's test
 command passes on untouched stubs, and ``python -m minifsdp course grade`` scores them.
-``--course-task 2.2a,project-zero1`` keeps only those tasks' tests (the grader's selection).
+``--course-task 2.2a,project-zero1`` keeps only those tasks' tests (the grader's selection);
+``--course-seed S`` is the grading seed the tests draw their inputs from (0 unless given).
 
 Every test's outcome is recorded (``tests/planted_faults/outcomes.py``), and the planted-fault
 checks run last: a named test that already passed in this session is their unplanted baseline.
@@ -35,6 +36,12 @@ def pytest_addoption(parser):
     )
     parser.addoption("--course-task", action="store", default=None,
                      help="only these graded tasks' tests, comma-separated ids of exercises/points.csv")
+    parser.addoption("--course-seed", action="store", type=int, default=0,
+                     help="the grading seed: the graded tests draw their inputs from it (default 0)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "points(weight): this test's share of its project's points (by weight)")
 
 
 @pytest.fixture(scope="session")

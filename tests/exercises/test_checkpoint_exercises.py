@@ -1,5 +1,5 @@
-"""Grades tasks 4.3a-b (sharded checkpoint, loaded at another world size): the module
-``impl_module("checkpoint_tasks", impl)`` gives, the stubs (``--impl=student``) or the instructor's answer.
+"""Grades tasks 4.3a-b (sharded checkpoint, loaded at another world size): ``exercises/checkpoint_tasks.py``
+(``--impl=student``) or the instructor's answer, run in the learner's process.
 
 No process group: each function is one rank's work, so every world size is graded in-process.
 Oracle: built number by number in this file (which parameter and index each flat position
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from minifsdp.models import TinyGPT
-from tests.exercises import impl_module
 
 LAYOUTS = {
     "readme": [("w", 6), ("b", 2), ("s", 1)],
@@ -21,8 +20,8 @@ LAYOUTS = {
 }
 
 
-def _params(numels):
-    g = torch.Generator().manual_seed(sum(n for _, n in numels))
+def _params(numels, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + sum(n for _, n in numels))
     return {name: torch.randn(n, generator=g) for name, n in numels}
 
 
@@ -47,11 +46,11 @@ def _shard(params, numels, world, rank):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("task", ["4.3a"])
-def test_task4_3a_save_pieces(impl, task):
-    mod = impl_module("checkpoint_tasks", impl)
+def test_task4_3a_save_pieces(learner, task, course_seed):
+    mod = learner("checkpoint_tasks")
     fails = []
     for lname, numels in LAYOUTS.items():
-        params = _params(numels)
+        params = _params(numels, course_seed)
         for world in (1, 2, 3, 4, 5):
             for rank in range(world):
                 shard = _shard(params, numels, world, rank)
@@ -76,11 +75,11 @@ def test_task4_3a_save_pieces(impl, task):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("task", ["4.3b"])
-def test_task4_3b_load_shard_at_another_world_size(impl, task):
-    mod = impl_module("checkpoint_tasks", impl)
+def test_task4_3b_load_shard_at_another_world_size(learner, task, course_seed):
+    mod = learner("checkpoint_tasks")
     fails = []
     for lname, numels in LAYOUTS.items():
-        params = _params(numels)
+        params = _params(numels, course_seed)
         for old in (1, 2, 3, 4):
             saved = [_oracle_pieces(params, numels, old, r) for r in range(old)]
             saved = saved[::-1]  # the files may come in any order

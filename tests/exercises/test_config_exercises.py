@@ -1,13 +1,15 @@
-"""Grades tasks 2.5b and 3.1: the module ``impl_module("config_tasks", impl)`` gives, the stubs in
-exercises/config_tasks.py (``--impl=student``) or the instructor's answer.  One process, no spawned ranks.
+"""Grades tasks 2.5b and 3.1: ``exercises/config_tasks.py`` (``--impl=student``) or the instructor's answer, run in
+the learner's process.  No spawned ranks.
 
-Oracles: 2.5b torch FSDP1 itself, constructed with the returned kwargs on TinyGPT in a 1-rank gloo
-group (its units, its ``mixed_precision``, ``backward_prefetch``, the dtype of every flat parameter
-inside forward, the checkpoint wrappers), and torch rejecting the source's original call.  3.1 the
-unsharded TinyGPT: the consolidated state dict must load with ``strict=True`` into a fresh TinyGPT and
-give bitwise its parameters, buffers and logits (pure copies, so bitwise).
+Oracles: 2.5b torch FSDP1 itself, constructed with the returned kwargs on TinyGPT in a 1-rank gloo group in the
+learner's process (:func:`probe_corrected_call` reports what torch made of them as plain data: its units, its
+``mixed_precision``, ``backward_prefetch``, the dtype of every flat parameter inside forward, the checkpoint
+wrappers), and torch rejecting the source's original call (here).  3.1 the unsharded TinyGPT: the consolidated
+state dict must load with ``strict=True`` into a fresh TinyGPT and give bitwise its parameters, buffers and
+logits (pure copies, so bitwise).
 """
 
+import contextlib
 import importlib
 import os
 import tempfile
@@ -18,15 +20,16 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.models import Block, TinyGPT
-from tests.exercises import impl_module
+from minifsdp.tools.course_remote import capture, raise_again
+from tests.exercises import module_name
 
 
-def _fn(impl, name):
-    return getattr(impl_module("config_tasks", impl), name)
+def _fn(learner, name):
+    return getattr(learner("config_tasks"), name)
 
 
-@pytest.fixture
-def one_rank_group():
+@contextlib.contextmanager
+def _one_rank_group():
     if dist.is_initialized():  # someone else's group: use it, leave it
         yield
         return
@@ -39,44 +42,64 @@ def one_rank_group():
             dist.destroy_process_group()
 
 
-def test_task2_5b_corrected_fsdp_call(impl, one_rank_group):
+def probe_corrected_call(name: str) -> dict:
+    """In the learner's process: torch FSDP1 built with the learner's kwargs on TinyGPT (one rank), the learner's
+    checkpointing applied, one forward and backward; what torch made of it, as plain data."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    kwargs = _fn(impl, "corrected_fsdp_kwargs")(Block)
-    assert "activation_checkpointing" not in kwargs
-    assert kwargs.get("sharding_strategy") == ShardingStrategy.FULL_SHARD
-    with warnings.catch_warnings():
+    mod = importlib.import_module(name)
+    got = capture(mod.corrected_fsdp_kwargs, Block)
+    if "raised" in got:
+        return got
+    kwargs = got["value"]
+    facts = {"keys": sorted(map(str, kwargs)),
+             "full_shard": kwargs.get("sharding_strategy") == ShardingStrategy.FULL_SHARD}
+    with _one_rank_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one rank: FSDP switches to NO_SHARD
         model = FSDP(TinyGPT(seed=0), **kwargs)
-    assert model.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
-    mp = model.mixed_precision
-    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.bfloat16,) * 3
-    units = [m for m in model.modules() if isinstance(m, FSDP)]
-    assert len(units) == 3 and sum(isinstance(u.module, Block) for u in units) == 2, "root + one unit per Block"
-    assert model.compute_device == torch.device("cpu")
-    # inside forward every unit's flat parameter is bf16; outside, the sharded fp32 copy is kept
-    seen = []
-    hooks = [u.module.register_forward_pre_hook(
-        lambda m, a, u=u: seen.extend(fp.dtype for fp in u.params)) for u in units]
-    _fn(impl, "apply_checkpointing")(model, Block)
-    x = torch.randint(0, 32, (2, 8))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logits = model(x)
+        mp = model.mixed_precision
+        units = [m for m in model.modules() if isinstance(m, FSDP)]
+        facts.update(backward_pre=model.backward_prefetch == BackwardPrefetch.BACKWARD_PRE,
+                     mp=[str(mp.param_dtype), str(mp.reduce_dtype), str(mp.buffer_dtype)], units=len(units),
+                     block_units=sum(isinstance(u.module, Block) for u in units), device=str(model.compute_device))
+        seen = []  # inside forward every unit's flat parameter is bf16; outside, the sharded fp32 copy is kept
+        hooks = [u.module.register_forward_pre_hook(lambda m, a, u=u: seen.extend(str(fp.dtype) for fp in u.params))
+                 for u in units]
+        applied = capture(mod.apply_checkpointing, model, Block)
+        if "raised" in applied:
+            return applied
+        logits = model(torch.randint(0, 32, (2, 8)))
         logits.float().sum().backward()
-    for h in hooks:
-        h.remove()
+        for h in hooks:
+            h.remove()
+        wrapped = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+        facts.update(seen=seen, logits=str(logits.dtype), params=sorted({str(p.dtype) for p in model.parameters()}),
+                     blocks=sum(isinstance(m, Block) for m in model.modules()), wrapped=len(wrapped),
+                     wrapped_blocks=all(isinstance(w._checkpoint_wrapped_module, Block) for w in wrapped))
+    return {"value": facts}
+
+
+def test_task2_5b_corrected_fsdp_call(impl, learner_process):
+    got = learner_process.call("tests.exercises.test_config_exercises:probe_corrected_call", ("2.5b",),
+                               (module_name("config_tasks", impl),))
+    if "raised" in got:
+        raise_again(got["raised"])
+    facts = got["value"]
+    assert "activation_checkpointing" not in facts["keys"]
+    assert facts["full_shard"], "sharding_strategy is not ShardingStrategy.FULL_SHARD"
+    assert facts["backward_pre"], "backward_prefetch is not BackwardPrefetch.BACKWARD_PRE"
+    assert facts["mp"] == [str(torch.bfloat16)] * 3, f"MixedPrecision dtypes {facts['mp']}, want bfloat16 thrice"
+    assert facts["units"] == 3 and facts["block_units"] == 2, "root + one unit per Block"
+    assert facts["device"] == "cpu"
     # 3 unit forwards + 2 Block recomputations in backward: the checkpointing really runs
-    assert len(seen) == 5 and set(seen) == {torch.bfloat16}, seen
-    assert logits.dtype == torch.bfloat16
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    wrapped = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    assert len(blocks) == 2 and len(wrapped) == 2
-    assert all(isinstance(w._checkpoint_wrapped_module, Block) for w in wrapped)
-    _source_call_fails()
+    assert len(facts["seen"]) == 5 and set(facts["seen"]) == {str(torch.bfloat16)}, facts["seen"]
+    assert facts["logits"] == str(torch.bfloat16)
+    assert facts["params"] == [str(torch.float32)]
+    assert facts["blocks"] == 2 and facts["wrapped"] == 2 and facts["wrapped_blocks"], facts
+    with _one_rank_group():
+        _source_call_fails()
 
 
 def _source_call_fails():
@@ -115,8 +138,8 @@ def _shard_tinygpt(model, world_size):
     return units, shards
 
 
-def test_task3_1_consolidate_for_serving(impl):
-    f = _fn(impl, "consolidate_state_dict")
+def test_task3_1_consolidate_for_serving(learner):
+    f = _fn(learner, "consolidate_state_dict")
     model = TinyGPT(seed=3)
     params = dict(model.named_parameters())
     tied = {k: n for k, v in model.state_dict().items() if k not in params

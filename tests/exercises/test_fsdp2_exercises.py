@@ -1,5 +1,5 @@
-"""Grades tasks 5.1-5.2: the module ``impl_module("fsdp2_tasks", impl)`` gives, the stubs in
-exercises/fsdp2_tasks.py (``--impl=student``) or the instructor's answer.  One process, no ranks.
+"""Grades tasks 5.1-5.2: ``exercises/fsdp2_tasks.py`` (``--impl=student``) or the instructor's answer, run in the
+learner's process.  No ranks; the numbers are drawn from the grading seed.
 
 Oracles, both used on every case: ``torch.chunk`` (torch FSDP2's documented rule for dim-0 sharding:
 ``torch.chunk(tensor, N, dim=0)[rank]``, empty for ranks past the last chunk) and minifsdp's
@@ -16,7 +16,6 @@ import torch.nn as nn
 
 from minifsdp.fsdp2.core.collectives import AllGatherResult
 from minifsdp.fsdp2.core.param import FSDPParam
-from tests.exercises import impl_module
 
 SHAPES = [torch.Size(s) for s in [(5, 3), (4,), (2, 7), (1, 4), (96, 32), (33,), (7, 2, 3)]]
 WORLD_SIZES = (1, 2, 3, 4)
@@ -39,8 +38,8 @@ def _reference_copy_out(gathered, shapes):
     return [p.unsharded_param.detach().clone() for p in params]
 
 
-def _fn(impl, name):
-    return getattr(impl_module("fsdp2_tasks", impl), name)
+def _fn(learner, name):
+    return getattr(learner("fsdp2_tasks"), name)
 
 
 def _tensor(shape, seed):
@@ -57,11 +56,11 @@ def _chunk_padded(t, rank, n):
     return padded
 
 
-def test_task5_1_shard_rows(impl):
-    f = _fn(impl, "shard_rows")
+def test_task5_1_shard_rows(learner, course_seed):
+    f = _fn(learner, "shard_rows")
     cases = 0
     for i, shape in enumerate(SHAPES):
-        t = _tensor(shape, i)
+        t = _tensor(shape, 1000 * course_seed + i)
         for n in WORLD_SIZES:
             locals_ = []
             for rank in range(n):
@@ -85,11 +84,11 @@ def test_task5_1_shard_rows(impl):
     assert cases == sum(WORLD_SIZES) * len(SHAPES)
 
 
-def test_task5_2_copy_out(impl):
-    f = _fn(impl, "copy_out")
+def test_task5_2_copy_out(learner, course_seed):
+    f = _fn(learner, "copy_out")
     groups = [SHAPES, SHAPES[:2], [torch.Size((33, 5)), torch.Size((2,))], [torch.Size((96, 32))]]
     for g, shapes in enumerate(groups):
-        params = [_tensor(s, 100 * g + i) for i, s in enumerate(shapes)]
+        params = [_tensor(s, 1000 * course_seed + 100 * g + i) for i, s in enumerate(shapes)]
         for n in WORLD_SIZES:
             rows = [torch.cat([_chunk_padded(p, r, n).reshape(-1) for p in params]) for r in range(n)]
             gathered = torch.stack(rows)  # what the all-gather returns, one row per rank

@@ -1,15 +1,17 @@
-"""Grades task 1.3 (each rank's slice of the data).  Oracle: ``torch.utils.data.DistributedSampler`` itself,
-iterated after ``set_epoch``, compared as lists (exact: they are indices).  One process, no ranks."""
+"""Grades task 1.3 (each rank's slice of the data): ``exercises/launch_tasks.py``, run in the learner's process
+(where its rule keeps ``DistributedSampler`` out of reach).  Oracle: ``torch.utils.data.DistributedSampler``
+itself, here, iterated after ``set_epoch``, compared as lists (exact: they are indices).  Sizes, seeds and epochs
+drawn from the grading seed join the fixed cases."""
+
+import random
 
 import pytest
 from torch.utils.data import DistributedSampler
 
-from tests.exercises import impl_module
-
 
 @pytest.fixture
-def rank_indices(impl):
-    return impl_module("launch_tasks", impl).rank_indices
+def rank_indices(learner):
+    return learner("launch_tasks").rank_indices
 
 
 def torch_slice(n, rank, world_size, shuffle, seed, epoch, drop_last):
@@ -26,9 +28,11 @@ CASES = [(n, w) for n in (1, 2, 10, 11, 17, 100) for w in (1, 2, 3, 4, 7, 16)]
 
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_task1_3_every_rank_slice_is_torchs(rank_indices, shuffle, drop_last):
-    for n, w in CASES:
-        for epoch, seed in ((0, 0), (3, 0), (1, 42)):
+def test_task1_3_every_rank_slice_is_torchs(rank_indices, shuffle, drop_last, course_seed):
+    rng = random.Random(f"{course_seed}:1.3:{shuffle}:{drop_last}")
+    drawn = [(rng.randint(1, 300), rng.randint(1, 9)) for _ in range(4)]
+    for n, w in CASES + drawn:
+        for epoch, seed in ((0, 0), (3, 0), (1, 42), (rng.randint(0, 99), rng.randint(0, 10**6))):
             for r in range(w):
                 want = torch_slice(n, r, w, shuffle, seed, epoch, drop_last)
                 got = rank_indices(n, r, w, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)

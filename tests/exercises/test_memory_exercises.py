@@ -1,37 +1,48 @@
-"""Grades tasks 2.3a-b and 2.4: the module ``impl_module("memory_tasks", impl)`` gives, the stubs in
-exercises/memory_tasks.py (``--impl=student``) or the instructor's answer.
+"""Grades tasks 2.3a-b and 2.4: ``exercises/memory_tasks.py`` (``--impl=student``) or the instructor's answer,
+run in the learner's process.
 
-Oracles: 2.3a the ZeRO paper's published numbers (Figure 1: Ψ = 7.5B, N = 64) and small cases
-done by hand; 2.3b and 2.4 a *measurement*, not a formula: one spawn of 3 ranks
-(tests/_workers_memory_ex.py) trains TinyGPT one AdamW step with our DDP and our FSDP (FULL_SHARD,
-SHARD_GRAD_OP, NO_SHARD; ring collectives) at world sizes 2 and 3, and records per rank the model
-state held at rest (``snapshot``: bytes of the tensors' storages) and the bytes ``count_bytes()``
-saw sent.  Bytes are integers: every comparison is exact.
+Oracles: 2.3a the ZeRO paper's published numbers (Figure 1: Ψ = 7.5B, N = 64), small cases done by hand,
+and sizes drawn from the grading seed against the paper's definition (2 + 2 + 12 bytes per parameter, stage k
+sharding the optimizer state, then the gradients, then the parameters), so a table of the fixed cases is no
+answer; 2.3b and 2.4 a *measurement*, not a formula: one spawn of 3 ranks (tests/_workers_memory_ex.py, no
+learner code) trains TinyGPT (its vocabulary drawn from the grading seed) one AdamW step with our DDP and our
+FSDP (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD; ring collectives) at world sizes 2 and 3, and records per rank the
+model state held at rest (``snapshot``: bytes of the tensors' storages) and the bytes ``count_bytes()`` saw
+sent.  Bytes are integers: every comparison is exact.
 
-Each test calls the function once on a small case *before* asking for the measurement, so the
-untouched stubs fail at once and never wait for the spawn.
+Each test calls the function once on a small case *before* asking for the measurement, so a function that
+raises fails at once and never waits for the spawn.
 """
+
+import random
 
 import pytest
 
 import minifsdp
 from tests._workers_memory_ex import SETUPS, measure_memory_and_bytes
-from tests.exercises import impl_module
 
 
-def _fn(impl, name):
-    return getattr(impl_module("memory_tasks", impl), name)
+def _fn(learner, name):
+    return getattr(learner("memory_tasks"), name)
 
 
 @pytest.fixture(scope="module")
-def measured():
+def measured(course_seed):
     """{world size: [rank 0's, rank 1's, ...]} of {setup: {units, sent, messages, model_state}}."""
-    ranks = minifsdp.spawn(measure_memory_and_bytes, world_size=3, timeout_s=120)
+    vocab = random.Random(f"{course_seed}:2.3b").randint(40, 160)
+    ranks = minifsdp.spawn(measure_memory_and_bytes, args=(vocab,), world_size=3, timeout_s=120)
     return {n: [r[n] for r in ranks if n in r] for n in (2, 3)}
 
 
-def test_task2_3a_zero_stages(impl):
-    f = _fn(impl, "model_state_bytes_per_rank")
+def _zero_paper(psi: float, n: int, stage: int) -> float:
+    """The ZeRO paper's model state per rank: fp16 parameters (2Ψ), fp16 gradients (2Ψ), fp32 optimizer state
+    (12Ψ); stage 1 shards the optimizer state over N, stage 2 the gradients too, stage 3 the parameters too."""
+    params, grads, optim = 2 * psi, 2 * psi, 12 * psi
+    return params / (n if stage >= 3 else 1) + grads / (n if stage >= 2 else 1) + optim / (n if stage >= 1 else 1)
+
+
+def test_task2_3a_zero_stages(learner, course_seed):
+    f = _fn(learner, "model_state_bytes_per_rank")
     assert f(1000, 4, 0) == 16000
     # the ZeRO paper's Figure 1: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB
     psi, n = 7.5e9, 64
@@ -43,11 +54,16 @@ def test_task2_3a_zero_stages(impl):
     assert all(f(1000, n, 0) == 16000 for n in (1, 2, 8))  # DDP: every rank holds everything
     with pytest.raises(ValueError):
         f(1000, 4, 4)
+    rng = random.Random(f"{course_seed}:2.3a")
+    for _ in range(8):  # drawn at grading time: a table of the cases above is not an answer
+        psi, n, stage = rng.randrange(10**3, 10**11, 8), rng.choice([1, 2, 3, 5, 8, 16, 64, 1024]), rng.randint(0, 3)
+        got, want = f(psi, n, stage), _zero_paper(psi, n, stage)
+        assert abs(got - want) <= 1e-9 * want, f"Ψ = {psi}, N = {n}, stage {stage}: you say {got}, the paper's {want}"
 
 
 @pytest.mark.timeout(180)
-def test_task2_3b_fsdp_model_state_measured(impl, request):
-    f = _fn(impl, "fsdp_model_state_bytes_per_rank")
+def test_task2_3b_fsdp_model_state_measured(learner, request):
+    f = _fn(learner, "fsdp_model_state_bytes_per_rank")
     assert f([10], 4) == 16 * 3 + 4  # 10 elements on 4 ranks: 3 per rank (padding), AdamW's step
     assert f([8, 8], 1) == 16 * 16 + 2 * 4
     measured = request.getfixturevalue("measured")
@@ -67,8 +83,8 @@ def test_task2_3b_fsdp_model_state_measured(impl, request):
 
 
 @pytest.mark.timeout(180)
-def test_task2_4_bytes_sent_measured(impl, request):
-    f = _fn(impl, "bytes_sent_per_rank")
+def test_task2_4_bytes_sent_measured(learner, request):
+    f = _fn(learner, "bytes_sent_per_rank")
     assert f([4, 4], 1, "FULL_SHARD") == 0  # one rank: no ring, nothing sent
     assert f([8, 8], 2, "SHARD_GRAD_OP", itemsize=2) == 2 * (4 + 4) * 2  # (N-1)/N = 1/2 of each, twice
     with pytest.raises(ValueError):

@@ -1,5 +1,5 @@
-"""Grades tasks 2.5 and 4.1a-b: the module ``impl_module("overlap_tasks", impl)`` gives, the stubs in
-exercises/overlap_tasks.py (``--impl=student``) or the instructor's answer.  One process, no ranks.
+"""Grades tasks 2.5 and 4.1a-b: ``exercises/overlap_tasks.py`` (``--impl=student``) or the instructor's answer,
+run in the learner's process.  No ranks.
 
 Oracles: 2.5 the execution orders our FSDP records on TinyGPT (tests/test_prefetch.py checks the
 resulting all-gather order and bitwise results against torch FSDP1); 4.1a torch's rule
@@ -7,8 +7,9 @@ resulting all-gather order and bitwise results against torch FSDP1); 4.1a torch'
 bitwise: its cast of the gradient to ``reduce_dtype`` (post-backward), its zero padding, its pre-divide
 factor (``DefaultState._get_gradient_predivide_factor``) and ``_div_if_needed`` before and after the sum
 (``_reduce_grad``), the sum in rank order (gloo's at 2 ranks; one process here), the cast to the
-parameter's dtype (``_cast_grad_to_param_dtype``); plus cases that need no oracle: the fp16 overflow that
-the pre-division avoids, output dtype and shape, and the exact average of small integers.
+parameter's dtype (``_cast_grad_to_param_dtype``), on gradients drawn from the grading seed; plus cases that
+need no oracle: the fp16 overflow that the pre-division avoids, output dtype and shape, and the exact average
+of small integers.
 """
 
 import pytest
@@ -17,11 +18,9 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
 from torch.distributed.fsdp._runtime_utils import _div_if_needed
 
-from tests.exercises import impl_module
 
-
-def _fn(impl, name):
-    return getattr(impl_module("overlap_tasks", impl), name)
+def _fn(learner, name):
+    return getattr(learner("overlap_tasks"), name)
 
 
 def _torch_fsdp1_reduction(rank_grads, rank, reduce_dtype, param_dtype=torch.float32):
@@ -39,8 +38,8 @@ def _torch_fsdp1_reduction(rank_grads, rank, reduce_dtype, param_dtype=torch.flo
     return shard.to(param_dtype)
 
 
-def test_task2_5_prefetch_target(impl):
-    f = _fn(impl, "prefetch_target")
+def test_task2_5_prefetch_target(learner):
+    f = _fn(learner, "prefetch_target")
     pre, post = ["root", "blocks.0", "blocks.1"], ["blocks.0", "blocks.1", "root"]
     assert f(pre, post, "root", "forward") == "blocks.0"
     assert f(pre, post, "blocks.0", "forward") == "blocks.1"
@@ -54,8 +53,8 @@ def test_task2_5_prefetch_target(impl):
         f(pre, post, "root", "sideways")
 
 
-def test_task4_1a_mixed_precision_dtypes(impl):
-    f = _fn(impl, "mixed_precision_dtypes")
+def test_task4_1a_mixed_precision_dtypes(learner):
+    f = _fn(learner, "mixed_precision_dtypes")
     bf, h, f32 = torch.bfloat16, torch.float16, torch.float32
     assert f(None, None, f32) == (f32, f32)
     assert f(bf, None, f32) == (bf, bf)  # the twist: reduce in param_dtype
@@ -70,8 +69,8 @@ def _grads(n, numel, dtype, seed):
             for _ in range(n)]
 
 
-def test_task4_1b_reduce_gradient_shard(impl):
-    f = _fn(impl, "reduce_gradient_shard")
+def test_task4_1b_reduce_gradient_shard(learner, course_seed):
+    f = _fn(learner, "reduce_gradient_shard")
     # exact case: small integers, the average is exact in every dtype
     grads = [torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0]) * (r + 1) for r in range(2)]
     out0 = f([g.to(torch.bfloat16) for g in grads], 0, torch.bfloat16)
@@ -88,7 +87,7 @@ def test_task4_1b_reduce_gradient_shard(impl):
     for n in (2, 3, 4):
         for dtype in (torch.bfloat16, torch.float16):
             for reduce_dtype in (dtype, torch.float32):
-                grads = _grads(n, 11, dtype, seed=n)
+                grads = _grads(n, 11, dtype, seed=1000 * course_seed + n)
                 for rank in range(n):
                     got, want = f(grads, rank, reduce_dtype), _torch_fsdp1_reduction(grads, rank, reduce_dtype)
                     assert got.dtype == want.dtype and torch.equal(got, want), (n, dtype, reduce_dtype, rank)

@@ -1,5 +1,5 @@
-"""Grades tasks 4.4a-b: the module ``impl_module("parallel_tasks", impl)`` gives, the stubs in
-exercises/parallel_tasks.py (``--impl=student``) or the instructor's answer.  One process, no ranks.
+"""Grades tasks 4.4a-b: ``exercises/parallel_tasks.py`` (``--impl=student``) or the instructor's answer, run in
+the learner's process.  No ranks.
 
 Oracles: 4.4a an unsharded ``nn.Linear`` (to 1e-5: the N partial sums add the products in another order)
 and, bitwise, the math of our ``RowwiseParallel`` (its own slicing ``tensor_parallel._take`` and
@@ -20,7 +20,6 @@ from torch.distributed.pipelining import Schedule1F1B as TorchSchedule1F1B
 
 import minifsdp.parallel.tensor_parallel as tp
 from minifsdp.parallel.pipeline_schedules import action_order
-from tests.exercises import impl_module
 
 
 # ----------------------------------------------------------------------------- the oracles, from the library
@@ -46,8 +45,8 @@ def _refuse_bad_stages(stage_index, num_stages, n_microbatches):
         raise ValueError(f"stage {stage_index} of {num_stages}, {n_microbatches} micro-batches")
 
 
-def _fn(impl, name):
-    return getattr(impl_module("parallel_tasks", impl), name)
+def _fn(learner, name):
+    return getattr(learner("parallel_tasks"), name)
 
 
 # ----------------------------------------------------------------------------- 4.4a
@@ -87,11 +86,11 @@ def _no_all_reduce(x, w, b, n):
     return parts, [p if b is None else p + b for p in parts]
 
 
-def test_task4_4a_row_parallel_linear(impl):
+def test_task4_4a_row_parallel_linear(learner):
     for wrong in (_bias_on_every_rank, _no_all_reduce):
         with pytest.raises(AssertionError):
             _check_row_parallel(wrong)
-    _check_row_parallel(_fn(impl, "row_parallel_linear"))
+    _check_row_parallel(_fn(learner, "row_parallel_linear"))
 
 
 # ----------------------------------------------------------------------------- 4.4b
@@ -158,9 +157,9 @@ def _warmup_too_long(s, p, m):  # p - s forwards first (torch's warm-up count), 
     return [f"F{i}" for i in range(w)] + steady + [f"B{i}" for i in range(m - w, m)]
 
 
-def test_task4_4b_one_f_one_b_order(impl):
+def test_task4_4b_one_f_one_b_order(learner):
     assert _torch_1f1b_order(0, 4, 6) == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
     for wrong in (_gpipe, _warmup_too_long):
         with pytest.raises(AssertionError):
             _check_1f1b(wrong)
-    _check_1f1b(_fn(impl, "one_f_one_b_order"))
+    _check_1f1b(_fn(learner, "one_f_one_b_order"))

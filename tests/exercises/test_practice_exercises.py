@@ -1,5 +1,5 @@
-"""Grades tasks 3.2a, 3.2b, 3.3 (chapter 3): the module ``impl_module("practice_tasks", impl)`` gives, the
-stubs in exercises/practice_tasks.py (``--impl=student``) or the instructor's answer (the train job's own).
+"""Grades tasks 3.2a, 3.2b, 3.3 (chapter 3): ``exercises/practice_tasks.py`` (``--impl=student``) or the
+instructor's answer (the train job's own), run in the learner's process.
 
 Oracles, independent of both implementations: 3.2a, values written out from the schedule's
 definition (exact fractions for the warm-up, tolerance 1e-12 for the cosine: one float rounding
@@ -11,17 +11,15 @@ import math
 
 import pytest
 
-from tests.exercises import impl_module
 
-
-def _fn(impl, task, name):
-    return getattr(impl_module("practice_tasks", impl), name)
+def _fn(learner, task, name):
+    return getattr(learner("practice_tasks"), name)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("task", ["3.2a"])
-def test_task3_2a_warmup_then_cosine(impl, task):
-    lr_factor = _fn(impl, task, "lr_factor")
+def test_task3_2a_warmup_then_cosine(learner, task):
+    lr_factor = _fn(learner, task, "lr_factor")
     cases = [  # (step, warmup, steps, schedule, want)
         (0, 4, 40, "cosine", 0.25), (1, 4, 40, "cosine", 0.5), (3, 4, 40, "cosine", 1.0),
         (4, 4, 40, "cosine", 1.0), (22, 4, 40, "cosine", 0.5),  # halfway through the decay: cos(pi/2) = 0
@@ -76,8 +74,8 @@ LOGS = {  # name: (records, jump, window, [(step, reason prefix)])
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("task", ["3.2b"])
-def test_task3_2b_instability_detector_names_the_step(impl, task):
-    find_instability = _fn(impl, task, "find_instability")
+def test_task3_2b_instability_detector_names_the_step(learner, task):
+    find_instability = _fn(learner, task, "find_instability")
     fails = []
     for name, (records, jump, window, want) in LOGS.items():
         got = find_instability(records, jump=jump, window=window)
@@ -108,8 +106,8 @@ TRACE = [
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("task", ["3.3"])
-def test_task3_3_exposed_communication_from_a_trace(impl, task):
-    exposed = _fn(impl, task, "exposed_communication")
+def test_task3_3_exposed_communication_from_a_trace(learner, task):
+    exposed = _fn(learner, task, "exposed_communication")
     fails = []
     for name, events, want in (
         ("two profiled steps", TRACE, {"step": 18.0, "all-gather": 3.0, "reduce-scatter": 1.5, "fraction": 4.5 / 18}),

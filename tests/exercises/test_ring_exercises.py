@@ -1,15 +1,16 @@
-"""Grades tasks 2.2a-c (ring collectives): the module ``impl_module("ring_collectives", impl)`` gives, the
-stubs in exercises/ring_collectives.py (``--impl=student``) or the instructor's answer (the textbook ring).
+"""Grades tasks 2.2a-c (ring collectives): ``exercises/ring_collectives.py`` (``--impl=student``) or the
+instructor's answer (the textbook ring), on 3 ranks.
 
-Ranks: 3, world size 3 is the default group, world size 2 the subgroup of ranks 0 and 1.
-One spawn grades all three tasks (a spawn costs seconds); a task that raises
-NotImplementedError is recorded as failing and the next task is graded (a stub raises on
-every rank before any message, so no rank is left waiting).  If anything else goes wrong
-(a rank crashes, hangs, or raises something else) every task is graded again in its own
-spawn, so one broken task cannot fail the others.  The worker imports the implementation
-by module name (a string pickles to the ranks).
-Oracle: small-integer data, so every sum is exact in fp32 whatever the order of additions;
-each rank rebuilds every rank's data from its seed and compares bitwise.
+The ranks are the learner's processes: under the tasks' rule (point-to-point messages only: a collective raises
+there, ``minifsdp/tools/course_rules.py``), each rank calls the functions on its own data, for the group of all 3
+ranks and for the pair of ranks 0 and 1 (fresh groups per task, with a short timeout: a deadlock fails that task
+with gloo's "Timed out waiting ..." and the learner's line, and the next task still runs), and hands back what
+it got (``tests/exercises/__init__.py``: ``learner_ranks``).  This process decides.
+
+Oracle: every rank's data, drawn from the grading seed as small integers, so every sum is exact in fp32 whatever
+the order of additions; the sums are computed here and compared bitwise.  One spawn grades the three tasks; if a
+rank dies or never answers, each task is graded again in a spawn of its own, so one broken task cannot fail
+the others.
 """
 
 import importlib
@@ -18,105 +19,122 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import minifsdp
-from minifsdp.launch import RankFailedError
-from tests.exercises import impl_module
+from minifsdp.tools.course_remote import capture, to_bytes
+from minifsdp.tools.course_rules import enforce_here
+from tests.exercises import learner_group, learner_ranks, module_name, outcome_line
 
 TASKS = ("2.2a", "2.2b", "2.2c")
+GROUPS = {"N=3": [0, 1, 2], "N=2": [0, 1]}
+SIZES = (1, 4, 7)
 
 
-def _data(rank: int, numel: int) -> torch.Tensor:
-    return torch.randint(-9, 10, (numel,), generator=torch.Generator().manual_seed(100 * rank + numel)).float()
+def _data(seed: int, rank: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + 100 * rank + numel)
+    return torch.randint(-9, 10, (numel,), generator=g).float()
 
 
-def _grade(module_name: str, task: str) -> list[str]:
-    """Runs on every rank; returns what went wrong (empty list: the task passes)."""
-    mod = importlib.import_module(module_name)
-    me, fails = dist.get_rank(), []
-    pair = dist.new_group([0, 1])  # every rank must create it, members or not
-    for group, members in ((None, [0, 1, 2]), (pair, [0, 1])):
+def _cases(task: str, n: int):
+    """(label, numel per rank, shape) of each call: m per chunk for 2.2a-b; 2.2c also uneven and 2-D tensors."""
+    if task != "2.2c":
+        return [(f"m={m}", m, (m,)) for m in SIZES]
+    return [(f"shape {s}", k, s) for m in SIZES for k, s in ((m, (m,)), (n * m + 1, (n * m + 1,)), (4 * m, (4, m)))]
+
+
+def _run_task(mod, task: str, seed: int) -> dict:
+    """On one rank: {group: [(label, output or the call's failure, input unchanged)]} for the groups it is in."""
+    groups = {name: learner_group(members) for name, members in GROUPS.items()}  # every rank creates each
+    me, out = dist.get_rank(), {}
+    for name, members in GROUPS.items():
         if me not in members:
             continue
-        n, r = len(members), members.index(me)
-        for m in (1, 4, 7):
-            where = f"N={n} m={m}"
-            total = sum(_data(g, n * m) for g in members)
+        n, r, rows = len(members), members.index(me), []
+        for label, numel, shape in _cases(task, n):
             if task == "2.2a":
-                inp = _data(me, n * m)
-                before = inp.clone()
-                out = torch.full((m,), -1.0)
-                mod.ring_reduce_scatter(out, inp, group=group)
-                if not torch.equal(out, total[r * m : (r + 1) * m]):
-                    fails.append(f"{where}: rank {r} got {out.tolist()}, want chunk {r} of the sum "
-                                 f"{total[r * m : (r + 1) * m].tolist()}")
-                if not torch.equal(inp, before):
-                    fails.append(f"{where}: input was modified")
+                given, result = _data(seed, me, n * numel), torch.full((numel,), -1.0)
+                sent = given.clone()
+                got = capture(mod.ring_reduce_scatter, result, sent, group=groups[name])
             elif task == "2.2b":
-                out = torch.full((n * m,), -1.0)
-                mod.ring_all_gather(out, _data(me, m), group=group)
-                want = torch.cat([_data(g, m) for g in members])
-                if not torch.equal(out, want):
-                    fails.append(f"{where}: got {out.tolist()}, want {want.tolist()}")
+                result, given = torch.full((n * numel,), -1.0), _data(seed, me, numel)
+                sent = given.clone()
+                got = capture(mod.ring_all_gather, result, sent, group=groups[name])
             else:
-                for numel, shape in ((m, (m,)), (n * m + 1, (n * m + 1,)), (4 * m, (4, m))):
-                    t = _data(me, numel).reshape(shape)
-                    mod.ring_all_reduce(t, group=group)
-                    want = sum(_data(g, numel) for g in members).reshape(shape)
-                    if not torch.equal(t, want):
-                        fails.append(f"N={n} numel={numel}: got {t.reshape(-1)[:6].tolist()}..., "
-                                     f"want {want.reshape(-1)[:6].tolist()}...")
-    return fails
+                given = _data(seed, me, numel).reshape(shape)
+                result = sent = given.clone()
+                got = capture(mod.ring_all_reduce, result, group=groups[name])
+            if "raised" in got:
+                rows.append((label, {"raised": got["raised"]}, True))
+                break  # this group's later calls would wait for a rank that gave up
+            rows.append((label, {"value": result}, task == "2.2c" or torch.equal(sent, given)))
+        out[name] = (r, rows)
+    return out
 
 
-def _grade_all(module_name: str) -> dict[str, list[str]]:
-    report = {}
-    for task in TASKS:
-        try:
-            report[task] = _grade(module_name, task)
-        except NotImplementedError as e:
-            report[task] = [f"NotImplementedError: {e}"]
-    return report
+def grade_on_rank(name: str, tasks: tuple, seed: int) -> bytes:
+    enforce_here(TASKS)  # the rule, before the learner's module is imported
+    mod = importlib.import_module(name)
+    return to_bytes({task: _run_task(mod, task, seed) for task in tasks})
 
 
-def _failures(results, task) -> list[str]:
-    return [f"rank {r}: {line}" for r, report in enumerate(results) for line in report[task]]
-
-
-def _module_name(impl: str) -> str:
-    return impl_module("ring_collectives", impl).__name__
+def _want(task: str, seed: int, members: list, r: int, numel: int, shape) -> torch.Tensor:
+    n = len(members)
+    if task == "2.2a":
+        return sum(_data(seed, g, n * numel) for g in members)[r * numel:(r + 1) * numel]
+    if task == "2.2b":
+        return torch.cat([_data(seed, g, numel) for g in members])
+    return sum(_data(seed, g, numel) for g in members).reshape(shape)
 
 
 @pytest.fixture(scope="module")
-def graded_together(impl):
-    """Every task in one spawn, or None if that spawn failed (then each task gets its own)."""
+def graded_together(impl, course_seed):
+    """Every task in one spawn, or the line saying why that spawn failed (then each task gets its own)."""
     try:
-        return minifsdp.spawn(_grade_all, args=(_module_name(impl),), world_size=3, timeout_s=30)
-    except RankFailedError:
-        return None
+        return learner_ranks(grade_on_rank, (module_name("ring_collectives", impl), TASKS, course_seed), 3, 60)
+    except AssertionError as e:
+        return str(e)
 
 
-def _run(impl: str, task: str, graded_together) -> None:
-    if graded_together is not None:
-        fails = _failures(graded_together, task)
+def _check(task: str, ranks: list, seed: int) -> None:
+    fails = []
+    for rank, report in enumerate(ranks):
+        for name, (r, rows) in report[task].items():
+            members = GROUPS[name]
+            for label, got, unchanged in rows:
+                if "raised" in got:
+                    fails.append(f"rank {rank}, {name}, {label}: {outcome_line(got)}")
+                    continue
+                numel, shape = next((k, s) for lab, k, s in _cases(task, len(members)) if lab == label)
+                want = _want(task, seed, members, r, numel, shape)
+                if not torch.equal(got["value"], want):
+                    fails.append(f"rank {rank}, {name}, {label}: got {got['value'].reshape(-1)[:8].tolist()}, want "
+                                 f"{want.reshape(-1)[:8].tolist()}")
+                if not unchanged:
+                    fails.append(f"rank {rank}, {name}, {label}: the input was modified")
+            if len(rows) != len(_cases(task, len(members))) and not any("raised" in g for _, g, _ in rows):
+                fails.append(f"rank {rank}, {name}: {len(rows)} results, want {len(_cases(task, len(members)))}")
+    assert not fails, f"Task {task} is not right yet: " + "; ".join(fails[:6])
+
+
+def _grade(impl: str, task: str, graded_together, seed: int) -> None:
+    if isinstance(graded_together, str):  # a rank died or hung: this task alone
+        ranks = learner_ranks(grade_on_rank, (module_name("ring_collectives", impl), (task,), seed), 3, 60)
     else:
-        results = minifsdp.spawn(_grade, args=(_module_name(impl), task), world_size=3, timeout_s=30)
-        fails = [f"rank {r}: {line}" for r, lines in enumerate(results) for line in lines]
-    assert not fails, f"Task {task} is not right yet:\n" + "\n".join(fails[:10])
+        ranks = graded_together
+    _check(task, ranks, seed)
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("task", ["2.2a"])
-def test_task2_2a_ring_reduce_scatter(impl, task, graded_together):
-    _run(impl, task, graded_together)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("task", ["2.2a"])  # `-k 2.2a` selects it
+def test_task2_2a_ring_reduce_scatter(impl, task, graded_together, course_seed):
+    _grade(impl, task, graded_together, course_seed)
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("task", ["2.2b"])
-def test_task2_2b_ring_all_gather(impl, task, graded_together):
-    _run(impl, task, graded_together)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("task", ["2.2b"])  # `-k 2.2b` selects it
+def test_task2_2b_ring_all_gather(impl, task, graded_together, course_seed):
+    _grade(impl, task, graded_together, course_seed)
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("task", ["2.2c"])
-def test_task2_2c_ring_all_reduce(impl, task, graded_together):
-    _run(impl, task, graded_together)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("task", ["2.2c"])  # `-k 2.2c` selects it
+def test_task2_2c_ring_all_reduce(impl, task, graded_together, course_seed):
+    _grade(impl, task, graded_together, course_seed)

@@ -1,23 +1,29 @@
-"""Rank function for tests/exercises/projects/test_noshard_accum.py: gradient accumulation under no_sync.
+"""Rank functions for tests/exercises/projects/test_noshard_accum.py: gradient accumulation under no_sync.
 
-One spawn of 3 ranks; world size 3 (every rank), then world size 2 (ranks 0 and 1; rank 2 waits).  For
-FULL_SHARD and SHARD_GRAD_OP, TinyGPT with its two blocks wrapped (three units), K = 3 micro-batches per rank:
+Two spawns of 3 ranks; world size 3 (every rank), then world size 2 (ranks 0 and 1; rank 2 waits).  For
+FULL_SHARD and SHARD_GRAD_OP, TinyGPT with its two blocks wrapped (three units), K = 3 micro-batches per rank
+(drawn from the grading seed):
 
-* the oracle: torch FSDP1 run as torch's users accumulate (``no_sync()`` around the forward and backward of
-  all but the last micro-batch, each loss divided by K); its sharded gradients and losses;
+* the oracle (:func:`torch_on_rank`, a spawn that runs no learner code): torch FSDP1 run as torch's users
+  accumulate (``no_sync()`` around the forward and backward of all but the last micro-batch, each loss divided
+  by K); its sharded gradients and losses;
+
+and in the learner's spawn (:func:`learner_on_rank`, groups with a short timeout):
+
 * your ``accumulate`` on torch FSDP1 inside a ``MemoryTracker``, marked after each micro-batch once the count
   has settled (:func:`settle`): the gradients, the losses, the bytes held at each mark and the peak before it;
 * your ``accumulate`` on our FSDP with the book's ring collectives, ``count_bytes()`` read after each
   micro-batch: the bytes sent (``count_bytes`` sees only the book's collectives, not gloo's), gradients, losses;
 * at 2 ranks also your ``measure`` on fresh models: on torch FSDP1 (held, peak) and on ours (sent).
 
-Every torch FSDP1 run comes first, then ours.  Every rank returns plain records; an unfinished function raises
-``NotImplementedError`` on every rank at its first call, and the ranks stop together.
+Every torch FSDP1 run comes first, then ours.  Every rank returns plain records; a learner's function that
+raises stops every rank together, and the ranks hand back the exception (``{"raised": ...}``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import time
 
 import torch
@@ -31,7 +37,8 @@ from minifsdp.fsdp import FSDP
 from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.memory.tracker import MemoryTracker
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
-from tests.exercises import impl_module
+from minifsdp.tools.course_remote import capture, describe, to_bytes
+from tests.exercises import learner_group
 
 K, BATCH = 3, 2
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
@@ -122,54 +129,73 @@ def _on_ours(mod, strategy, group, micro) -> dict:
             "units": [u._handle.layout.numel for u in model.modules() if isinstance(u, FSDP) and u._handle]}
 
 
-def _micro_batches(members) -> list:
+def _micro_batches(members, seed: int) -> list:
     cfg, corpus = GPTConfig.tiny(), CharCorpus()
     rank, n = members.index(dist.get_rank()), len(members)
-    return [corpus.batch(k, BATCH, cfg.block_size, rank, n) for k in range(K)]
+    return [corpus.batch(100 * seed + k, BATCH, cfg.block_size, rank, n) for k in range(K)]
 
 
-def _torch_runs(mod, strategy, group, members) -> dict:
-    micro = _micro_batches(members)
+def torch_on_rank(seed: int) -> dict:
+    """The oracle, on every rank: {world size: {strategy: {"losses", "grads"}}} for the world sizes it is in."""
+    groups = {n: dist.new_group(members) for n, members in WORLDS.items()}  # on every rank
+    out = {}
+    for n, members in WORLDS.items():
+        if dist.get_rank() in members:
+            for strategy in STRATEGIES:
+                model, micro = _torch_model(strategy, groups[n]), _micro_batches(members, seed)
+                out.setdefault(n, {})[strategy] = {"losses": _torch_users_accumulate(model, micro),
+                                                   "grads": _grads(model)}
+    return out
+
+
+def _torch_runs(mod, strategy, group, members, seed) -> dict:
+    micro = _micro_batches(members, seed)
     rec = {"torch": _on_torch(mod, strategy, group, micro)}
-    model = _torch_model(strategy, group)
-    rec["oracle"] = {"losses": _torch_users_accumulate(model, micro), "grads": _grads(model)}
-    del model
     if len(members) == 2:
-        try:
-            rec["measured_torch"] = mod.measure(_torch_model(strategy, group), micro, gpt_loss)
-        except NotImplementedError as e:
-            rec["measure_not_done"] = f"{type(e).__name__}: {e}"
+        got = capture(mod.measure, _torch_model(strategy, group), micro, gpt_loss)
+        if "raised" in got:
+            rec["measure_not_done"] = describe(got["raised"])
+        else:
+            rec["measured_torch"] = got["value"]
     return rec
 
 
-def _our_runs(mod, strategy, group, members, rec: dict) -> None:
-    micro = _micro_batches(members)
+def _our_runs(mod, strategy, group, members, rec: dict, seed) -> None:
+    micro = _micro_batches(members, seed)
     rec["ours"] = _on_ours(mod, strategy, group, micro)
     if len(members) == 2 and "measure_not_done" not in rec:
-        rec["measured_ours"] = mod.measure(_our_model(strategy, group), micro, gpt_loss)
+        got = capture(mod.measure, _our_model(strategy, group), micro, gpt_loss)
+        if "raised" in got:
+            rec["measure_not_done"] = describe(got["raised"])
+        else:
+            rec["measured_ours"] = got["value"]
 
 
-def grade(impl: str) -> dict:
-    """Runs on every rank: {world size: {strategy: record}} for the world sizes this rank is in.
+def learner_on_rank(name: str, seed: int) -> bytes:
+    """On every rank, the learner's functions: {world size: {strategy: record}} for the world sizes this rank is
+    in, or {"raised": ...}.  Every torch FSDP1 run comes before any of ours, so no thread of our collectives is
+    alive in the process while torch's bytes are counted."""
+    from minifsdp.tools.course_rules import enforce_here
 
-    Every torch FSDP1 run comes before any of ours, so no thread of our collectives is alive in the process
-    while torch's bytes are counted."""
-    mod = impl_module("projects.noshard_accum.accumulate", impl)
-    groups = {n: dist.new_group(members) for n, members in WORLDS.items()}  # on every rank
-    out, not_done = {}, ""
+    enforce_here(("project-noshard-accum",))
+    groups = {n: learner_group(members) for n, members in WORLDS.items()}  # on every rank
+    mod = capture(importlib.import_module, name)
+    out, raised = {}, mod.get("raised")
     for phase in ("torch", "ours"):
         for n, members in WORLDS.items():  # world size 3 first: every rank calls your accumulate at once
-            if dist.get_rank() in members:
-                try:
-                    for strategy in STRATEGIES:
-                        if phase == "torch":
-                            out.setdefault(n, {})[strategy] = _torch_runs(mod, strategy, groups[n], members)
-                        else:
-                            _our_runs(mod, strategy, groups[n], members, out[n][strategy])
-                except NotImplementedError as e:
-                    not_done = f"{type(e).__name__}: {e}"
-            stop = torch.tensor([float(bool(not_done))])
+            if dist.get_rank() in members and raised is None:
+                for strategy in STRATEGIES:
+                    if phase == "torch":
+                        got = capture(_torch_runs, mod["value"], strategy, groups[n], members, seed)
+                        out.setdefault(n, {})[strategy] = got.get("value")
+                    else:
+                        got = capture(_our_runs, mod["value"], strategy, groups[n], members, out[n][strategy], seed)
+                    if "raised" in got:
+                        raised = got["raised"]
+                        break
+            stop = torch.tensor([float(raised is not None)])
             dist.all_reduce(stop)  # every rank, in this world size or not, stops together
             if stop.item():
-                return {"not_done": not_done or "another rank's accumulate is not done"}
-    return out
+                return to_bytes({"raised": raised or {"type": "RuntimeError", "where": "",
+                                                      "message": "another rank's accumulate raised"}})
+    return to_bytes(out)

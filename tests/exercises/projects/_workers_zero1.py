@@ -1,20 +1,23 @@
-"""Rank function for tests/exercises/projects/test_zero1.py: a ZeRO-1 beside torch's ZeroRedundancyOptimizer.
+"""Rank functions for tests/exercises/projects/test_zero1.py: a ZeRO-1 beside torch's ZeroRedundancyOptimizer.
 
-One spawn of 3 ranks runs two cases, each twice on the same seed and data (TinyGPT, its embedding tied
-to its output layer, ``pos_emb`` frozen): once as torch users write ZeRO (``DistributedDataParallel``
-averages the gradients, ``ZeroRedundancyOptimizer`` shards the optimizer), once with the ``Zero1``
-under test on the plain model.
+Two spawns of 3 ranks run two cases on the same seed and data (TinyGPT, its embedding tied to its output layer,
+``pos_emb`` frozen; the seed and the batches drawn from the grading seed): :func:`torch_on_rank` as torch users
+write ZeRO (``DistributedDataParallel`` averages the gradients, ``ZeroRedundancyOptimizer`` shards the
+optimizer), no learner code in it; :func:`learner_on_rank` with the ``Zero1`` under test on the plain model, under
+the project's rule (no ZeroRedundancyOptimizer, no torch FSDP) and on groups with a short timeout.
 
 * ``pair``: ranks 0 and 1 (a group of 2; rank 2 waits), AdamW with weight decay, 3 steps;
 * ``world``: all 3 ranks, SGD with momentum and weight decay, 3 steps.
 
 Per rank and case: the losses and every parameter after every step, and the optimizer's memory: live
 tensor bytes (``minifsdp.memory.census``, read once settled: :func:`settled_bytes`) after the first step and
-``zero_grad(set_to_none=True)``, less those before the optimizer was built.  An unfinished ``Zero1`` raises
-``NotImplementedError`` on every rank before any message, so the ranks return at once with ``{"not_done": ...}``.
+``zero_grad(set_to_none=True)``, less those before the optimizer was built.  A ``Zero1`` that raises stops every
+rank together, and the ranks hand back the exception (``{"raised": ...}``, with the learner's line).
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.distributed as dist
@@ -23,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from minifsdp.memory.census import live_tensor_bytes
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from tests.exercises import impl_module
+from minifsdp.tools.course_remote import capture, to_bytes
+from minifsdp.tools.course_rules import enforce_here
+from tests.exercises import learner_group
 
 STEPS, BATCH = 3, 4
 CASES = {
@@ -32,8 +37,8 @@ CASES = {
 }
 
 
-def _model() -> TinyGPT:
-    model = TinyGPT(GPTConfig.tiny(), seed=0)
+def _model(seed: int = 0) -> TinyGPT:
+    model = TinyGPT(GPTConfig.tiny(), seed=seed)
     model.pos_emb.weight.requires_grad_(False)  # a frozen parameter: no gradient, no update
     return model
 
@@ -73,34 +78,42 @@ def _named(model):
     return inner.named_parameters()
 
 
-def _case(mod, members, cls, kwargs, group) -> dict:
+def _batches(members, seed: int) -> list:
     cfg, corpus = GPTConfig.tiny(), CharCorpus()
     rank, world = members.index(dist.get_rank()), len(members)
-    batches = [corpus.batch(step, BATCH, cfg.block_size, rank, world) for step in range(STEPS)]
-    theirs = _train(DistributedDataParallel(_model(), process_group=group),
-                    lambda ps: ZeroRedundancyOptimizer(ps, optimizer_class=cls, process_group=group, **kwargs),
-                    batches)
-    ours = _train(_model(), lambda ps: mod.Zero1(ps, cls, group=group, **kwargs), batches)
-    return {"torch": theirs, "yours": ours}
+    return [corpus.batch(100 * seed + step, BATCH, cfg.block_size, rank, world) for step in range(STEPS)]
 
 
-def grade(impl: str) -> dict:
-    """Runs on every rank; returns {case: {"torch": record, "yours": record}} for the cases this rank is in."""
-    mod = impl_module("projects.zero1.zero1", impl)
+def torch_on_rank(seed: int) -> dict:
+    """The oracle, on every rank (no learner code): {case: record} for the cases this rank is in."""
     groups = {name: dist.new_group(members) for name, (members, _, _) in CASES.items()}  # on every rank
-    out, not_done = {}, ""
-    try:  # first a throwaway one on every rank: a stub stops here, before torch's run
-        mod.Zero1(_model().parameters(), torch.optim.SGD, group=groups["world"], lr=0.1)
-    except NotImplementedError as e:
-        return {"not_done": f"{type(e).__name__}: {e}"}
+    out = {}
     for name, (members, cls, kwargs) in CASES.items():
         if dist.get_rank() in members:
-            try:
-                out[name] = _case(mod, members, cls, kwargs, groups[name])
-            except NotImplementedError as e:
-                not_done = f"{type(e).__name__}: {e}"
-        stop = torch.tensor([float(bool(not_done))])
+            group = groups[name]
+            out[name] = _train(
+                DistributedDataParallel(_model(seed), process_group=group),
+                lambda ps, g=group, c=cls, k=kwargs: ZeroRedundancyOptimizer(ps, optimizer_class=c, process_group=g,
+                                                                             **k),
+                _batches(members, seed))
+    return out
+
+
+def learner_on_rank(name: str, seed: int) -> bytes:
+    """The learner's ``Zero1``, on every rank: {case: record}, or {"raised": ...} once one rank's call raised."""
+    enforce_here(("project-zero1",))
+    groups = {case: learner_group(members) for case, (members, _, _) in CASES.items()}  # on every rank
+    mod = capture(importlib.import_module, name)
+    out, raised = {}, mod.get("raised")
+    for case, (members, cls, kwargs) in CASES.items():
+        if dist.get_rank() in members and raised is None:
+            got = capture(_train, _model(seed), lambda ps, g=groups[case], c=cls, k=kwargs:
+                          mod["value"].Zero1(ps, c, group=g, **k), _batches(members, seed))
+            raised = got.get("raised")
+            out[case] = got.get("value")
+        stop = torch.tensor([float(raised is not None)])
         dist.all_reduce(stop)  # every rank, in the case or not, stops together
         if stop.item():
-            return {"not_done": not_done or "another rank's Zero1 is not done"}
-    return out
+            return to_bytes({"raised": raised or {"type": "RuntimeError", "message": "another rank's Zero1 raised",
+                                                  "where": ""}})
+    return to_bytes(out)

@@ -1,7 +1,10 @@
 """Grades project-ac-budget (exercises/projects/ac_budget/README.md): activation checkpointing that fits a budget.
 
 ``--impl=student`` grades ``exercises/projects/ac_budget/policy.py``; ``--impl=reference`` the instructor's
-solution.  One process, no ranks: the model and the ruler are ``exercises/projects/ac_budget/tower.py``.
+solution.  No ranks: the model and the ruler are ``exercises/projects/ac_budget/tower.py`` (the instructor's copy:
+the grader never takes it from a learner).  The learner's functions run in the learner's process, and so does the
+ruler that measures what they did (:func:`probe_choose`, :func:`probe_apply`: a peak, an audit, gradients);
+torch's checkpointing and the plain model are measured here.  Points by test (``@pytest.mark.points``).
 
 Oracles:
 
@@ -16,6 +19,7 @@ Oracles:
 """
 
 import functools
+import importlib
 import itertools
 
 import pytest
@@ -27,22 +31,41 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from exercises.projects.ac_budget.tower import HIDDEN, Tower, make_batch, run
-from tests.exercises import impl_module
+from minifsdp.tools.course_remote import capture, raise_again
+from tests.exercises import module_name
 
 PROJECT = "project-ac-budget"
 NAMES = [f"blocks.{i}" for i in range(len(HIDDEN))]
 _TORCH_PEAKS: dict[tuple[str, ...], int] = {}  # a set of blocks -> its peak, checkpointed by torch
 
 
-def _policy(impl):
-    return impl_module("projects.ac_budget.policy", impl)
+def probe_apply(name: str, names) -> dict:
+    """In the learner's process: a fresh Tower with ``names`` checkpointed by the learner, measured by the ruler."""
+    model = Tower()
+    got = capture(importlib.import_module(name).apply_checkpointing, model, list(names))
+    return got if "raised" in got else {"value": run(model, make_batch())}
 
 
-def _call(fn, *args):
-    try:
-        return fn(*args)
-    except NotImplementedError as e:
-        pytest.fail(f"{PROJECT} not done yet: {type(e).__name__}: {e}", pytrace=False)
+def probe_choose(name: str, budget: int) -> dict:
+    """In the learner's process: the learner's choice for ``budget``, the model it was given measured afterwards
+    (it must be unchanged), and a fresh Tower with the chosen blocks checkpointed, measured."""
+    model = Tower()
+    got = capture(importlib.import_module(name).choose_blocks, model, make_batch(), budget)
+    if "raised" in got:
+        return got
+    names = got["value"]
+    after = run(model, make_batch())["grads"]
+    ok = isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)
+    return {"value": {"names": list(names) if ok else repr(names)[:200], "after": after,
+                      "yours": probe_apply(name, names) if ok else None}}
+
+
+def _in_learner(learner_process, impl, probe: str, *args):
+    got = learner_process.call(f"tests.exercises.projects.test_ac_budget:{probe}", (PROJECT,),
+                               (module_name("projects.ac_budget.policy", impl), *args))
+    if "raised" in got:
+        raise_again(got["raised"])
+    return got["value"]
 
 
 def _torch_peak(names: tuple[str, ...]) -> int:
@@ -65,27 +88,24 @@ def plain():
     return out
 
 
-def _yours(policy, names) -> dict:
-    model = Tower()
-    _call(policy.apply_checkpointing, model, list(names))
-    return run(model, make_batch())
-
-
 def _same_grads(plain, got) -> list[str]:
     assert got.keys() == plain.keys(), f"parameter names differ: {sorted(got.keys() ^ plain.keys())}"
     return [n for n, g in plain.items() if got[n] is None or not torch.equal(got[n], g)]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
+@pytest.mark.points(15)
 @pytest.mark.parametrize("fraction", [0.85, 0.72])
-def test_project_ac_budget_fits_with_the_fewest_blocks(impl, plain, fraction):
-    policy, budget = _policy(impl), int(fraction * plain["peak"])
-    model = Tower()
-    names = _call(policy.choose_blocks, model, make_batch(), budget)
-    assert _same_grads(plain["grads"], run(model, make_batch())["grads"]) == [], "choose_blocks changed the model"
-    assert isinstance(names, (list, tuple)) and len(set(names)) == len(names) and set(names) <= set(NAMES), (
+def test_project_ac_budget_fits_with_the_fewest_blocks(impl, learner_process, plain, fraction):
+    budget = int(fraction * plain["peak"])
+    chosen = _in_learner(learner_process, impl, "probe_choose", budget)
+    names = chosen["names"]
+    assert _same_grads(plain["grads"], chosen["after"]) == [], "choose_blocks changed the model"
+    assert isinstance(names, list) and len(set(names)) == len(names) and set(names) <= set(NAMES), (
         f"choose_blocks returned {names!r}: a list of distinct block names from {NAMES}")
-    got = _yours(policy, names)
+    if "raised" in chosen["yours"]:
+        raise_again(chosen["yours"]["raised"])
+    got = chosen["yours"]["value"]
     assert got["audit"] == 0, "the census found bytes the tracker missed: the measurement cannot be trusted"
     assert got["peak"] <= budget, (f"budget {budget} bytes ({fraction:.0%} of the plain {plain['peak']}): with "
                                    f"{sorted(names)} checkpointed the peak is {got['peak']}")
@@ -99,18 +119,19 @@ def test_project_ac_budget_fits_with_the_fewest_blocks(impl, plain, fraction):
 
 
 @pytest.mark.timeout(300)
-def test_project_ac_budget_refuses_an_impossible_budget(impl, plain):
+@pytest.mark.points(4)
+def test_project_ac_budget_refuses_an_impossible_budget(learner, plain):
     """Half the bytes of the parameters' gradients: every backward allocates all of them."""
-    policy, model = _policy(impl), Tower()
+    model = Tower()
     budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
     with pytest.raises(ValueError):
-        _call(policy.choose_blocks, model, make_batch(), budget)
+        learner("projects.ac_budget.policy").choose_blocks(model, make_batch(), budget)
 
 
 @pytest.mark.timeout(300)
-def test_project_ac_budget_keeps_torch_gradients(impl, plain):
-    policy = _policy(impl)
-    got = _yours(policy, NAMES)
+@pytest.mark.points(6)
+def test_project_ac_budget_keeps_torch_gradients(impl, learner_process, plain):
+    got = _in_learner(learner_process, impl, "probe_apply", NAMES)
     wrong = _same_grads(plain["grads"], got["grads"])
     assert not wrong, f"with every block checkpointed these gradients differ from the plain model's: {wrong}"
     assert got["peak"] < plain["peak"], f"every block checkpointed peaks at {got['peak']}, the plain model at " \

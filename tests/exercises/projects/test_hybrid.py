@@ -4,8 +4,9 @@
 
 Oracle: torch FSDP1 with ``ShardingStrategy.HYBRID_SHARD`` at 4 ranks, on each rank's own data: its unreduced
 gradient (a backward inside ``no_sync()``) is the input, its sharded ``flat_param.grad`` after a normal backward
-is the answer.  One spawn of 4 ranks (``tests/exercises/projects/_workers_hybrid.py``), three cases, three units
-each (two of them padded):
+is the answer.  Two spawns of 4 ranks (``tests/exercises/projects/_workers_hybrid.py``): torch's (no learner code),
+then the learner's function on torch's inputs; three cases, three units each (two of them padded), the data drawn
+from the grading seed.  Points by test (``@pytest.mark.points``): the shards, the bytes.
 
 * ``2x2-fp32``: bitwise.  torch sums a number as (g0 + g1) + (g2 + g3), the shard group's sum first; an
   all-reduce across replicas first sums (g0 + g2) + (g1 + g3), which differs in the last bits;
@@ -22,27 +23,39 @@ import pytest
 import torch
 
 import minifsdp
-from tests.exercises.projects._workers_hybrid import CASES, grade
+from tests.exercises import learner_ranks, module_name, outcome_line
+from tests.exercises.projects._workers_hybrid import CASES, learner_on_rank, torch_on_rank
 
 PROJECT = "project-hybrid"
 UNITS = 3
 
 
 @pytest.fixture(scope="module")
-def ranks(impl):
-    """Every rank's ``{case: [per unit {...}]}``, or the one line saying the function is not done."""
-    return minifsdp.spawn(grade, args=(impl,), world_size=4, timeout_s=180)
+def ranks(impl, course_seed):
+    """Every rank's ``{case: [per unit {"torch", "input", "ring_bytes", "yours", "sent", "modified"}]}``, or the
+    learner's failure in one line (a str)."""
+    theirs = minifsdp.spawn(torch_on_rank, args=(course_seed,), world_size=4, timeout_s=180)
+    inputs = {case: [[u["input"] for u in theirs[r][case]] for r in range(4)] for case in CASES}
+    try:
+        yours = learner_ranks(learner_on_rank, (module_name("projects.hybrid.hybrid", impl), inputs), 4, 180)
+    except AssertionError as e:
+        return str(e)
+    raised = next((r["raised"] for r in yours if "raised" in r), None)
+    if raised is not None:
+        return outcome_line({"raised": raised})
+    return [{case: [{**t, **y} for t, y in zip(theirs[r][case], yours[r][case], strict=True)] for case in CASES}
+            for r in range(4)]
 
 
 def _units(ranks, case):
-    not_done = [r["not_done"] for r in ranks if "not_done" in r]
-    if not_done:
-        pytest.fail(f"{PROJECT} not done yet: {not_done[0]}", pytrace=False)
+    if isinstance(ranks, str):
+        pytest.fail(f"{PROJECT}: {ranks}", pytrace=False)
     assert len(ranks) == 4 and all(len(r[case]) == UNITS for r in ranks)
     return [(rank, unit, u) for rank, r in enumerate(ranks) for unit, u in enumerate(r[case])]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
+@pytest.mark.points(14)
 @pytest.mark.parametrize("case", list(CASES))
 def test_project_hybrid_shards_bitwise_torch_fsdp1(ranks, case):
     for rank, unit, u in _units(ranks, case):
@@ -61,7 +74,8 @@ def test_project_hybrid_shards_bitwise_torch_fsdp1(ranks, case):
         assert wrong == 0, f"{where}: {wrong} of {want.numel()} numbers differ from torch FSDP1 HYBRID_SHARD's shard"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
+@pytest.mark.points(6)
 @pytest.mark.parametrize("case", list(CASES))
 def test_project_hybrid_sends_what_the_ring_sends(ranks, case):
     for rank, unit, u in _units(ranks, case):

@@ -4,8 +4,11 @@
 
 Oracle: torch as its users write ZeRO-1, ``DistributedDataParallel`` (averages the gradients) with
 ``torch.distributed.optim.ZeroRedundancyOptimizer`` (shards the optimizer; after its local step each rank
-broadcasts the parameters it owns), on the same seed, data and TinyGPT (a tied and a frozen parameter).
-One spawn of 3 ranks (``tests/exercises/projects/_workers_zero1.py``) runs both on both cases.
+broadcasts the parameters it owns), on the same seed, data and TinyGPT (a tied and a frozen parameter), drawn
+from the grading seed.  Two spawns of 3 ranks (``tests/exercises/projects/_workers_zero1.py``) run each on both
+cases: torch's in one that runs no learner code, the learner's ``Zero1`` in the other (where the project's rule
+keeps ``ZeroRedundancyOptimizer`` and torch FSDP out of reach); this process compares.  Points by test
+(``@pytest.mark.points``): the numbers at 2 ranks, at 3 ranks, and the memory kept.
 
 * 2 ranks, AdamW: bitwise, losses and every parameter after every step.  Any order of a sum of two numbers
   gives the same bits, dividing by 2 is exact, and AdamW's update is elementwise: whatever layout the
@@ -26,21 +29,29 @@ import pytest
 import torch
 
 import minifsdp
-from tests.exercises.projects._workers_zero1 import CASES, STEPS, grade
+from tests.exercises import learner_ranks, module_name, outcome_line
+from tests.exercises.projects._workers_zero1 import CASES, STEPS, learner_on_rank, torch_on_rank
 
 PROJECT = "project-zero1"
 
 
 @pytest.fixture(scope="module")
-def ranks(impl):
-    """Every rank's records, ``[{case: {"torch": ..., "yours": ...}}, ...]``, or the one line saying it is not done."""
-    return minifsdp.spawn(grade, args=(impl,), world_size=3, timeout_s=180)
+def ranks(impl, course_seed):
+    """Every rank's ``{case: {"torch": record, "yours": record}}``, or the learner's failure in one line (a str)."""
+    try:
+        yours = learner_ranks(learner_on_rank, (module_name("projects.zero1.zero1", impl), course_seed), 3, 240)
+    except AssertionError as e:
+        return str(e)
+    raised = next((r["raised"] for r in yours if "raised" in r), None)
+    if raised is not None:
+        return outcome_line({"raised": raised})
+    theirs = minifsdp.spawn(torch_on_rank, args=(course_seed,), world_size=3, timeout_s=180)
+    return [{case: {"torch": theirs[r][case], "yours": yours[r][case]} for case in theirs[r]} for r in range(3)]
 
 
 def _records(ranks, case):
-    not_done = [r["not_done"] for r in ranks if "not_done" in r]
-    if not_done:
-        pytest.fail(f"{PROJECT} not done yet: {not_done[0]}", pytrace=False)
+    if isinstance(ranks, str):
+        pytest.fail(f"{PROJECT}: {ranks}", pytrace=False)
     members = CASES[case][0]
     recs = [ranks[r][case] for r in members]
     assert len(recs) == len(members) and all(len(rec[w]["params"]) == STEPS for rec in recs for w in rec)
@@ -52,7 +63,8 @@ def _param_diffs(want: dict, got: dict) -> list[str]:
     return [n for n in want if not torch.equal(want[n], got[n])]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
+@pytest.mark.points(12)
 def test_project_zero1_bitwise_zero_redundancy_optimizer_at_2_ranks_adamw(ranks):
     for rank, rec in enumerate(_records(ranks, "pair")):
         theirs, yours = rec["torch"], rec["yours"]
@@ -63,7 +75,8 @@ def test_project_zero1_bitwise_zero_redundancy_optimizer_at_2_ranks_adamw(ranks)
             assert not wrong, f"rank {rank}, after step {step}: these parameters differ from torch's: {wrong}"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
+@pytest.mark.points(10)
 def test_project_zero1_close_to_zero_redundancy_optimizer_at_3_ranks_sgd(ranks):
     recs = _records(ranks, "world")
     for rank, rec in enumerate(recs):
@@ -80,7 +93,8 @@ def test_project_zero1_close_to_zero_redundancy_optimizer_at_3_ranks_sgd(ranks):
             assert not wrong, f"after step {step} rank {rank}'s replica differs from rank 0's in {wrong}"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
+@pytest.mark.points(8)
 @pytest.mark.parametrize("case", ["pair", "world"])
 def test_project_zero1_keeps_a_shard_of_the_optimizer_state(ranks, case):
     recs = _records(ranks, case)
