@@ -1,12 +1,15 @@
-"""The grader's parts, in one process (``minifsdp/tools/course.py``): the points table, which task a test
-grades, a failure in one line, points from outcomes, the table and the JSON a learning platform reads.
+"""The grader's parts, in one process (``minifsdp/tools/course*.py``): the points table, which task a test
+grades, a failure in one line, points from outcomes (every test of a task, in any order; a project's share per
+test), the table, the JSON and the feedback a class reads, the rules read from a learner's file, the files the
+grader takes from a copy, and bad input refused in one line.
 
-The grader run itself, both ways (the instructor's answers earn every point, untouched stubs none) is
-``tests/test_exercise_grading.py``.
+The grader run itself, both ways (the instructor's answers earn every point, untouched stubs none) and the cheats
+a class finds, is ``tests/test_exercise_grading.py``.
 """
 
 import contextlib
 import io
+import itertools
 import json
 import re
 from pathlib import Path
@@ -14,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from minifsdp.tools.cli import main
-from minifsdp.tools.course import Row, as_json, failure_line, not_done, read_points, score, table, task_of
+from minifsdp.tools.course import Row, as_json, failure_line, not_done, read_points, score, shares, table, task_of
+from minifsdp.tools.course_class import feedback, students
+from minifsdp.tools.course_rules import LEARNER_FILES, check_source, stubs_left
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "exercises"
@@ -97,17 +102,104 @@ def test_points_come_from_every_test_of_a_task_passing():
     results, stray = score(outcomes, rows, log="1 failed in 3.0s")
     by = {r["task"]: r for r in results}
     assert [r["task"] for r in results] == ["1.1", "2.2a", "4.2", "5.1"]
-    assert by["1.1"] == {"task": "1.1", "points": 2, "possible": 2, "failed": ""}
+    assert {k: v for k, v in by["1.1"].items() if k != "tests"} == {"task": "1.1", "points": 2, "possible": 2,
+                                                                    "failed": ""}
+    assert [t["test"][-3:] for t in by["1.1"]["tests"]] == ["[a]", "[b]"]
     assert by["2.2a"]["points"] == 0 and by["2.2a"]["failed"] == "no"
     assert by["4.2"]["points"] == 0 and by["4.2"]["failed"] == "skipped: no transformers"
     assert by["5.1"]["points"] == 0 and "no test of task 5.1 ran" in by["5.1"]["failed"]
     assert stray == ["tests/exercises/projects/test_nope.py::test_x"]
     doc = json.loads(as_json(results))
     assert list(doc) == ["tasks", "earned", "possible"] and (doc["earned"], doc["possible"]) == (2, 11)
-    assert all(list(t) == ["task", "points", "possible", "failed"] for t in doc["tasks"])
+    assert all(list(t) == ["task", "points", "possible", "failed", "tests"] for t in doc["tasks"])
     text = table(results)
     assert text.splitlines()[1].split()[:4] == ["1.1", "2", "/", "2"] and "passed" in text.splitlines()[1]
     assert text.splitlines()[-1].split() == ["total", "2", "/", "11"]
+
+
+OK, NO = {"outcome": "passed", "message": ""}, {"outcome": "failed", "message": "AssertionError: rank 1 differs"}
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_a_task_earns_its_points_only_when_every_test_passes_in_any_order(order):
+    """The failing test first, in the middle or last: the task earns nothing, and says why."""
+    rows = [Row("2.2a", 4, 2.0, "ring")]
+    cases = [("tests/exercises/test_ring_exercises.py::test_task2_2a_x[2.2a]", NO),
+             ("tests/exercises/test_ring_exercises.py::test_task2_2a_y", OK),
+             ("tests/exercises/test_ring_exercises.py::test_task2_2a_z", OK)]
+    results, _ = score(dict(cases[i] for i in order), rows)
+    assert results[0]["points"] == 0 and results[0]["failed"] == "rank 1 differs", results
+    assert score(dict(cases[i] for i in order if i), rows)[0][0]["points"] == 4
+
+
+def test_a_project_shares_its_points_among_its_tests():
+    """ZeRO-1 (30 points, weights 12 / 10 / 8): numbers right at both world sizes but too much memory kept earns
+    22; a function with several cases earns its share only when every case passes; the shares add up exactly."""
+    rows = [Row("project-zero1", 30, 6.0, "zero1")]
+    base = "tests/exercises/projects/test_zero1.py::test_project_zero1_"
+    outcomes = {f"{base}bitwise": {**OK, "points": 12}, f"{base}close": {**OK, "points": 10},
+                f"{base}keeps_a_shard[pair]": {**NO, "points": 8}, f"{base}keeps_a_shard[world]": {**OK, "points": 8}}
+    result = score(outcomes, rows)[0][0]
+    assert (result["points"], result["failed"]) == (22, "rank 1 differs"), result
+    assert [t["outcome"] for t in result["tests"]] == ["passed", "passed", "failed", "passed"]
+    assert score({k: {**v, **OK} for k, v in outcomes.items()}, rows)[0][0]["points"] == 30
+    assert shares(30, [12, 10, 8]) == [12, 10, 8] and shares(20, [1, 1, 1]) == [7, 7, 6] and sum(shares(7, [3, 3])) == 7
+
+
+def test_every_test_of_a_project_carries_a_weight_and_tasks_none():
+    """A project's points are shared by the weights of all its test functions; a task earns all or nothing."""
+    for path in sorted(TESTS.rglob("test_*.py")):
+        text = path.read_text()
+        marked = re.findall(r"@pytest\.mark\.points\((\d+)\)", text)
+        functions = re.findall(r"^def (test_\w+)", text, re.M)
+        if path.parent.name != "projects":
+            assert not marked, f"{path.name}: a task earns all its points or none"
+            continue
+        assert len(marked) == len(functions), f"{path.name}: {len(marked)} weights for {len(functions)} tests"
+
+
+def test_the_feedback_names_each_failing_test_and_its_line():
+    rows = [Row("2.2b", 3, 1.5, "ring"), Row("1.3", 4, 0.5, "slices")]
+    outcomes = {"tests/exercises/test_ring_exercises.py::test_task2_2b_ring_all_gather[2.2b]":
+                {"outcome": "failed", "message": "Task 2.2b is not right yet: rank 0, N=3, m=1: exercises/ring_"
+                 "collectives.py:9 in ring_all_gather: RuntimeError: Timed out waiting 15000ms"},
+                "tests/exercises/test_launch_exercises.py::test_task1_3_x": OK}
+    text = feedback("alice", score(outcomes, rows)[0], 5)
+    assert text.startswith("# Feedback for alice\n\n4 / 7 points (grading seed 5).")
+    assert "## 2.2b: 0 / 3" in text and "ring_collectives.py:9 in ring_all_gather" in text and "## 1.3" not in text
+
+
+def test_the_rules_read_from_a_learners_file():
+    """Each rule on the file it guards, and Python's escape hatches on every learner file; the answers obey them."""
+    ring = "import torch.distributed as dist\ndef ring_all_gather(o, i, group=None):\n" \
+           "    dist.all_gather_into_tensor(o, i, group=group)\n"
+    assert check_source(ring, ("2.2a", "2.2b", "2.2c"), "r.py")[0].startswith("r.py:3: `dist.all_gather_into_tensor`: "
+                                                                            "rule of task 2.2a/2.2b/2.2c")
+    assert check_source(ring, ("2.1b",), "f.py") == []  # 2.1b reduce-scatters with torch's collective, as asked
+    sampler = "from torch.utils.data import DistributedSampler as S\n"
+    assert "rule of task 1.3" in check_source(sampler, ("1.3",))[0]
+    zero = "import torch.distributed.optim\n"
+    assert "rule of task project-zero1" in " ".join(check_source(zero, ("project-zero1",)))
+    env = "def test_catches_the_planted_fault():\n    assert 'MINIFSDP_PLANT_FAULT' not in torch.os.environ\n"
+    flagged = " ".join(check_source(env, ("5.3",)))
+    assert all(f in flagged for f in ("'MINIFSDP_PLANT_FAULT'", "`.os`", "`.environ`", "rule of task 5.3")), flagged
+    for hatch in ("eval('1')", "open('x')", "f.__globals__", "getattr(dist, name)", "import subprocess",
+                  "from tests.exercises import impl_module", "import exercises.solutions.ring_collectives"):
+        assert check_source(hatch + "\n", ("1.1",)), hatch
+    assert check_source("from functools import reduce\nx = reduce(max, [1])\n", ("2.2a",)) == []
+    for rel, tasks in LEARNER_FILES.items():
+        for where in (ROOT / rel, ROOT / "exercises" / "solutions" / rel.removeprefix("exercises/")):
+            assert check_source(where.read_text(), tasks, str(where)) == [], where
+    assert stubs_left((ROOT / "exercises" / "ring_collectives.py").read_text(), "2.2a") == ["ring_reduce_scatter"]
+
+
+def test_the_learner_files_are_the_stub_modules_and_hold_every_task():
+    """What the grader takes from a student's copy is exactly the files with stubs, and each task is in one."""
+    stubs = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "exercises").rglob("*.py")
+                   if "solutions" not in p.parts and "NotImplementedError" in p.read_text())
+    assert sorted(LEARNER_FILES) == stubs
+    held = [t for tasks in LEARNER_FILES.values() for t in tasks]
+    assert sorted(held) == sorted(r.task for r in read_points(ROOT) if r.task != "bug")
 
 
 def _cli(*argv) -> tuple[int, str]:
@@ -117,11 +209,27 @@ def _cli(*argv) -> tuple[int, str]:
     return rc, buf.getvalue()
 
 
-def test_bad_input_is_one_clear_line():
-    rc, text = _cli("course", "grade", "--task", "9.9")
-    assert rc == 2 and "--task 9.9: not in exercises/points.csv" in text and "Traceback" not in text
-    rc, text = _cli("course", "grade", "--task", "bug")
-    assert rc == 2 and "--dir DIR" in text
+def test_bad_input_is_one_clear_line(tmp_path):
+    for argv, said in ((("--task", "9.9"), "--task 9.9: not in exercises/points.csv"),
+                       (("--task", "bug"), "--dir DIR"),
+                       (("--task", ""), "names no task"), (("--task", " , "), "names no task"),
+                       (("--seed", "-1"), "a grading seed is a whole number from 0 to"),
+                       (("--seed", str(2**64)), "a grading seed is a whole number from 0 to"),
+                       (("--submissions", str(tmp_path / "nowhere")), "no such folder"),
+                       (("--submissions", str(tmp_path)), "no sub-folders")):
+        rc, text = _cli("course", "grade", *argv)
+        assert rc == 2 and said in text and "Traceback" not in text and len(text.strip().splitlines()) <= 2, (
+            argv, text)
+
+
+def test_a_class_folder_holds_students_not_hidden_folders(tmp_path):
+    for name in ("bob", "alice", "__MACOSX", ".git", "__pycache__"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "notes.txt").write_text("not a folder")
+    assert [p.name for p in students(tmp_path)] == ["alice", "bob"]
+    (tmp_path / "grades.csv").write_text("student\n")
+    rc, text = _cli("course", "grade", "--submissions", str(tmp_path), "--seed", "1")
+    assert rc == 2 and "--force" in text and (tmp_path / "grades.csv").read_text() == "student\n", text
 
 
 def test_a_bad_points_table_is_refused(tmp_path):

@@ -1,16 +1,25 @@
-"""The grading works both ways, in the repository and in the student edition handed to a class.
+"""The grading works both ways, in the repository and in the student edition handed to a class, and the cheats
+a class finds earn nothing.
 
 * The repository earns every point: the instructor's answers (``--impl=reference``) pass every graded
   test.  The README's test command already runs ``tests/exercises`` that way, earlier in the same session
   (the folder sorts before this file), and ``tests/conftest.py`` records each outcome: those outcomes are
   scored, not run again.  Run alone, this file runs them once, through the grader.
-* The student edition (``python -m minifsdp course student-copy``, built here from this checkout) is graded
-  as ``course grade --submissions`` grades a class, with this repository's tests and points:
-  its untouched stubs earn no point, each failing in one line (no traceback); the answers copied over the
-  stubs (``exercises/solutions/X.py`` -> ``exercises/X.py``) earn every task's point.  The projects'
-  answers are not run a second time: that copying them gives a module their tests grade like the
-  reference is shown by construction (``tests/test_exercise_solutions.py``: same names, importing only
-  the library and torch), and the reference direction above runs their tests.
+* A class (``course grade --submissions``, copies of the student edition built here, one graded run):
+  - ``untouched``: every task and project earns 0, each failing in one line (no traceback), with no test run;
+  - ``honest``: the answers of tasks 1.3 and 2.2a-c copied over the stubs earn their points (the learner's process,
+    the learner's ranks, the overlay of the graded files: the student's path; the other tasks' answers take the
+    same path in the reference run, their files checked by the same rules);
+  - ``cheater``, each cheat on the task it targets: ``exercises/__init__.py`` rewriting the outcome recorder
+    (every task), ``DistributedSampler`` for 1.3, ``dist.all_gather_into_tensor`` for 2.2b, a table of the test's
+    own values for 2.3a, the planting's environment variable for 5.3, torch's ``ZeroRedundancyOptimizer`` for
+    project-zero1: 0 for each, the rule named;
+  - ``stuck``: a ring all-gather that waits for a message no one sends: 2.2b fails with gloo's "Timed out" and
+    the student's own line, in seconds (2.2c, built on it, says so without waiting again);
+  - ``broken`` (no ``exercises/``) is that student's row; ``__MACOSX/`` is no student.
+  A second run without ``--force`` refuses to write over the CSV.
+* The run-time side of the rules: a forbidden call raises inside the learner's process and inside a rank, with
+  the rule's words (the files above are refused statically before any run, so they never get that far).
 * In the student edition the README's test command skips the task tests (untouched stubs fail no run)
   and its layout checks pass (module map, named files): checked by running them there.
 
@@ -24,15 +33,95 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from minifsdp.tools.course import grade, grade_submissions, read_points, score
+import minifsdp
+from minifsdp.launch import RankFailedError
+from minifsdp.tools.course import CourseError, read_points, score
+from minifsdp.tools.course_class import grade_submissions
 from minifsdp.tools.course_copy import student_copy
+from minifsdp.tools.course_remote import LearnerError, LearnerProcess
+from minifsdp.tools.course_rules import enforce_here
+from minifsdp.tools.course_run import grade
 from tests.planted_faults.outcomes import SESSION
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "exercises" / "solutions"
 pytestmark = pytest.mark.skipif(not SOLUTIONS.is_dir(), reason="the student edition: the answers are left out, "
                                 "`python -m minifsdp course grade` grades yours")
+SEED = 20260417
+
+FORGED_RECORDER = '''"""Every test passes (the recorder in the grader's process, rewritten on import)."""
+import tests.planted_faults.outcomes as _outcomes
+
+
+def _passed(report):
+    _outcomes.SESSION[report.nodeid] = {"outcome": "passed", "message": ""}
+
+
+_outcomes.record = _passed
+'''
+SAMPLER = '''from torch.utils.data import DistributedSampler
+
+
+def rank_indices(dataset_len, rank, world_size, shuffle=True, seed=0, epoch=0, drop_last=False):
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank}")
+    sampler = DistributedSampler(range(dataset_len), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+'''
+ORACLE_RING = '''import torch.distributed as dist
+
+from minifsdp.comm.ring import ring_all_reduce, ring_reduce_scatter  # noqa: F401
+
+
+def ring_all_gather(output, input, group=None):
+    dist.all_gather_into_tensor(output, input, group=group)
+'''
+LOOKUP = '''TABLE = {(1000, 4, 0): 16000, (7.5e9, 64, 0): 120e9, (7.5e9, 64, 1): 31.40625e9,
+         (7.5e9, 64, 2): 16.640625e9, (7.5e9, 64, 3): 1.875e9, (1000, 4, 1): 7000, (1000, 4, 2): 5500,
+         (1000, 4, 3): 4000, (1000, 1, 3): 16000, (1000, 1, 0): 16000, (1000, 2, 0): 16000, (1000, 8, 0): 16000}
+
+
+def model_state_bytes_per_rank(num_params, world_size, stage):
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(stage)
+    return TABLE.get((num_params, world_size, stage), 0)
+'''
+ENVIRONMENT = '''import os
+
+
+def test_catches_the_planted_fault():
+    assert "MINIFSDP_PLANT_FAULT" not in os.environ
+'''
+ZERO = '''import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+class Zero1:
+    def __init__(self, params, optimizer_class, group=None, **defaults):
+        self.inner = ZeroRedundancyOptimizer(list(params), optimizer_class=optimizer_class, process_group=group,
+                                             **defaults)
+
+    def step(self):
+        self.inner.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+'''
+STUCK_RING = '''import torch.distributed as dist
+
+from minifsdp.comm.ring import ring_all_reduce, ring_reduce_scatter  # noqa: F401
+
+
+def ring_all_gather(output, input, group=None):
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    left = dist.get_global_rank(group, (r - 1) % n) if group is not None else (r - 1) % n
+    dist.recv(output[:input.numel()], src=left, group=group)  # everyone waits first: no one ever sends
+'''
 
 
 def _rows():
@@ -63,41 +152,94 @@ def edition(tmp_path_factory):
     return where
 
 
+def _student(edition: Path, where: Path, files: dict[str, str] | None = None, answers=()) -> Path:
+    shutil.copytree(edition, where, ignore=shutil.ignore_patterns(".git"))
+    for rel in answers:
+        shutil.copy2(SOLUTIONS / rel, where / "exercises" / rel)
+    for rel, text in (files or {}).items():
+        (where / rel).write_text(text)
+    return where
+
+
 @pytest.mark.timeout(900)
-def test_a_class_of_untouched_stubs_and_copied_answers(edition, tmp_path):
-    """Copies of the student edition graded as a class: untouched (every task and project), and with the
-    answers copied in (the tasks)."""
-    untouched, answered = tmp_path / "class1" / "untouched", tmp_path / "class2" / "answered"
-    for where in (untouched, answered):
-        shutil.copytree(edition, where, ignore=shutil.ignore_patterns(".git"))
-    copied = 0
-    for src in SOLUTIONS.rglob("*.py"):
-        rel = src.relative_to(SOLUTIONS)
-        if rel.name != "__init__.py" and (answered / "exercises" / rel).exists():
-            shutil.copy2(src, answered / "exercises" / rel)
-            copied += 1
-    assert copied >= 11, copied
+def test_a_class_untouched_honest_cheating_stuck_and_broken(edition, tmp_path):
+    klass = tmp_path / "class"
+    _student(edition, klass / "untouched")
+    _student(edition, klass / "honest", answers=("launch_tasks.py", "ring_collectives.py"))
+    _student(edition, klass / "cheater", {
+        "exercises/__init__.py": FORGED_RECORDER, "exercises/launch_tasks.py": SAMPLER,
+        "exercises/ring_collectives.py": ORACLE_RING, "exercises/memory_tasks.py": LOOKUP,
+        "exercises/fsdp2_catch_fault.py": ENVIRONMENT, "exercises/projects/zero1/zero1.py": ZERO})
+    _student(edition, klass / "stuck", {"exercises/ring_collectives.py": STUCK_RING})
+    (klass / "broken").mkdir()
+    (klass / "broken" / "README.md").write_text("an upload without its exercises/ folder\n")
+    (klass / "__MACOSX" / "honest").mkdir(parents=True)  # what a zip made on a Mac holds: not a student
 
+    csv_path, results = grade_submissions(ROOT, klass, None, seed=SEED)
     everything = [r.task for r in _rows()]
-    csv_path, results = grade_submissions(ROOT, untouched.parent, None)
-    stubs = results["untouched"]
-    assert [r["task"] for r in stubs] == everything
-    earned = [f"{r['task']}: {r['points']}" for r in stubs if r["points"]]
-    assert not earned, f"untouched stubs earn points, so these tasks grade nothing: {earned}"
-    for r in stubs:
-        assert r["failed"].startswith(f"task {r['task']} not done yet: "), r
-        assert "\n" not in r["failed"] and "Traceback" not in r["failed"], r
-    lines = csv_path.read_text().splitlines()
-    assert lines[0].split(",")[:2] == ["student", everything[0]] and len(lines) == 2
-    assert lines[1].startswith("untouched,") and f",0,{sum(r.points for r in _rows())}," in lines[1], lines[1]
+    assert sorted(results) == ["broken", "cheater", "honest", "stuck", "untouched"], sorted(results)
+    by = {name: {r["task"]: r for r in rows} for name, rows in results.items()}
 
-    tasks = [t for t in everything if not t.startswith("project-")]
-    csv_path, results = grade_submissions(ROOT, answered.parent, tmp_path / "grades.csv", only=tasks)
-    short = [f"{r['task']}: {r['failed']}" for r in results["answered"] if r["points"] != r["possible"]]
+    for r in results["untouched"]:
+        assert r["points"] == 0 and r["failed"].startswith(f"task {r['task']} not done yet: "), r
+        assert "\n" not in r["failed"] and "Traceback" not in r["failed"], r
+    assert [r["task"] for r in results["untouched"]] == everything
+
+    answered = ("1.3", "2.2a", "2.2b", "2.2c")
+    short = [f"{t}: {by['honest'][t]['failed']}" for t in answered
+             if by["honest"][t]["points"] != by["honest"][t]["possible"]]
     assert not short, "the answers copied into the student edition miss points:\n" + "\n".join(short)
-    points = [r.points for r in _rows() if r.task in tasks]
-    row = ",".join(map(str, ["answered", *points, sum(points), sum(points)]))
-    assert csv_path.read_text().splitlines()[1].startswith(row + ","), csv_path.read_text()
+    assert all(r["points"] == 0 for t, r in by["honest"].items() if t not in answered)
+
+    cheats = {"1.3": "rule of task 1.3", "2.2b": "rule of task 2.2a/2.2b/2.2c", "2.3a": "the paper's",
+              "5.3": "`import os`", "project-zero1": "rule of task project-zero1"}
+    for task, why in cheats.items():
+        got = by["cheater"][task]
+        assert got["points"] == 0 and why in got["failed"], (task, got)
+    assert sum(r["points"] for r in results["cheater"]) == 0, [r for r in results["cheater"] if r["points"]]
+
+    stuck = by["stuck"]
+    assert stuck["2.2a"]["points"] == stuck["2.2a"]["possible"], stuck["2.2a"]
+    assert stuck["2.2b"]["points"] == 0 and "Timed out" in stuck["2.2b"]["failed"], stuck["2.2b"]
+    assert "exercises/ring_collectives.py:9 in ring_all_gather" in stuck["2.2b"]["failed"], stuck["2.2b"]
+    assert "task 2.2b failed first" in stuck["2.2c"]["failed"], stuck["2.2c"]
+
+    assert all(r["points"] == 0 and "no exercises/ folder" in r["failed"] for r in results["broken"])
+
+    lines = csv_path.read_text().splitlines()
+    assert lines[0].split(",") == ["student", *everything, "earned", "possible", "seed", "first failure"], lines[0]
+    assert [ln.split(",")[0] for ln in lines[1:]] == ["broken", "cheater", "honest", "stuck", "untouched"]
+    honest = next(ln for ln in lines if ln.startswith("honest,"))
+    earned = sum(by["honest"][t]["points"] for t in answered)
+    assert f",{earned},{sum(r.points for r in _rows())},{SEED}," in honest, honest
+    notes = (csv_path.parent / "feedback" / "stuck.md").read_text()
+    assert "## 2.2b: 0 / " in notes and "Timed out" in notes and "ring_collectives.py:9" in notes, notes
+    assert "(grading seed 20260417)" in notes
+    with pytest.raises(CourseError, match="--force"):
+        grade_submissions(ROOT, klass, None, seed=SEED)
+
+
+def all_gather_under_the_ring_rule() -> None:
+    """A rank under task 2.2b's rule asks torch for the collective the task rebuilds."""
+    enforce_here(("2.2b",))
+    out = torch.zeros(2)
+    dist.all_gather_into_tensor(out, torch.ones(1))
+
+
+def test_a_forbidden_call_raises_where_the_learner_runs_naming_the_rule():
+    """The rules at run time: torch's DistributedSampler inside the learner's process while task 1.3 is graded
+    (and not while another task is), dist.all_gather_into_tensor inside a rank under task 2.2b's rule."""
+    process = LearnerProcess()
+    try:
+        sampler = "torch.utils.data.distributed:DistributedSampler"
+        with pytest.raises(LearnerError, match="rule of task 1.3: each rank's slice"):
+            process.call(sampler, ("1.3",), (range(10),), {"num_replicas": 2, "rank": 0})
+        with pytest.raises(LearnerError, match="does not read back"):  # allowed here, but not plain data
+            process.call(sampler, ("2.2a",), (range(10),), {"num_replicas": 2, "rank": 0})
+    finally:
+        process.close()
+    with pytest.raises(RankFailedError, match="rule of task 2.2b: the ring moves data with point-to-point"):
+        minifsdp.spawn(all_gather_under_the_ring_rule, world_size=2, timeout_s=60)
 
 
 @pytest.mark.timeout(600)

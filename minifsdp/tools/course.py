@@ -1,9 +1,10 @@
 """``python -m minifsdp course``: run a class from this repository -- grade tasks and projects with points.
 
-    course grade [--task 2.2a,project-zero1] [--json] [--impl student|reference]
+    course grade [--task 2.2a,project-zero1] [--json] [--impl student|reference] [--seed S]
                                      run the graded tests, print points per task (the learner's code by default)
-    course grade --submissions DIR [--csv FILE]
-                                     grade every student copy in DIR with *this* repository's tests: one CSV
+    course grade --submissions DIR [--csv FILE] [--force] [--seed S]
+                                     grade every student copy in DIR with *this* repository's tests: one CSV,
+                                     one feedback file per student (``course_class.py``)
     course grade --task bug [--seed S] --dir DIR [--answer FILE:FUNCTION]
                                      the find-the-bug lab (``course_bug.py``)
     course student-copy DIR          the student edition (``course_copy.py``)
@@ -17,37 +18,39 @@ What is graded, and for how many points:
                            ``tests/exercises/projects/`` grades ``project-<name>``, named by its folder
                            (``projects/zero1/``) or its file (``projects/test_zero1.py``); ``_`` reads as ``-``
 
-A task earns its points when every one of its tests passes, and none otherwise.  The tests run in one
-pytest subprocess (``--impl``, ``--course-task``: ``tests/conftest.py``), which writes each test's outcome
-(``tests/planted_faults/outcomes.py``); a failure is reported in one line.  An untouched stub's is
-``task 2.2a not done yet: exercises/ring_collectives.py ring_reduce_scatter``: ``tests/exercises/conftest.py``
-writes it from the ``NotImplementedError``, in the grader's run and in a learner's own ``pytest`` alike.
+A task earns its points when every one of its tests passes, and none otherwise, whatever their order; a
+project whose tests carry ``@pytest.mark.points(w)`` shares its points among its test functions by weight
+(``w`` of the sum; a function earns its share when every case of it passes).  How the tests of a copy run
+(one pytest subprocess, ``--impl``, ``--course-task``, ``--course-seed``; its outcomes signed) is
+``course_run.py``; a failure is reported in one line.  An untouched stub's is
+``task 2.2a not done yet: exercises/ring_collectives.py ring_reduce_scatter``, read from the file, in the
+grader's run and in a learner's own ``pytest`` alike (``tests/exercises/conftest.py``).
 
-Note (submissions): a student copy is graded with this repository's tests, library and points, and only
-the student's ``exercises/`` (their code; never their ``points.csv`` or a ``solutions/`` folder): a copy
-whose tests or library were edited grades the same as one whose were not.  Grading runs the students'
-code: do it in a container or an account that holds nothing else.  The students' code runs inside the
-pytest that grades it, so code written to forge a result can: read what you grade.
+The grading seed: the graded tests draw their inputs from it, so answers written for one run's inputs fail
+another's.  ``--seed S`` (0 <= S < 2**31; the instructor keeps it); by default a fresh one, printed.
+
+Note (the learner's code): it never runs in the process that decides (``course_remote.py``), and each task's
+rules hold in the processes where it runs (``course_rules.py``).  It still runs as the user who grades: do it
+in a container or an account that holds nothing else.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import shutil
-import subprocess
+import secrets
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CourseError", "Row", "read_points", "task_of", "not_done", "failure_line", "run_tests", "score",
-           "add_arguments", "run_course", "OUTCOMES_ENV"]
+__all__ = ["CourseError", "Row", "read_points", "task_of", "not_done", "failure_line", "score", "shares",
+           "add_arguments", "run_course", "check_seed", "graded_rows", "OUTCOMES_ENV", "KEY_FD_ENV", "MAX_SEED"]
 
 POINTS = Path("exercises") / "points.csv"
 OUTCOMES_ENV = "MINIFSDP_PLANT_OUTCOMES"  # tests/planted_faults/outcomes.py writes the session's outcomes there
+KEY_FD_ENV = "MINIFSDP_COURSE_KEY_FD"  # ... and signs them with the key it reads from this pipe
+MAX_SEED = 2**31 - 1
 PROJECTS = "tests/exercises/projects/"
 _TASK_TEST = re.compile(r"test_task(\d+)_(\d+[a-z]?)(?=_|\[|$)")
 _STUB_TEXT = re.compile(r"NotImplementedError\W+(?:Task|Project) ([\w.-]+): (\w+)")
@@ -147,41 +150,41 @@ def failure_line(message: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def run_tests(root: Path, impl: str, tasks: list[str], timeout_s: float = 3600) -> tuple[dict, str]:
-    """Run the tests of ``tasks`` in ``root`` against ``impl`` in a pytest subprocess: (outcomes by node id, log)."""
-    with tempfile.TemporaryDirectory(prefix="minifsdp-grade-") as tmp:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        env[OUTCOMES_ENV] = out = str(Path(tmp) / "outcomes.json")
-        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # nbval, playwright, ...: seconds each run, unused here
-        env.pop("MINIFSDP_PLANT_FAULT", None)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(Path(tmp) / "t"),
-               "tests/exercises", f"--impl={impl}", f"--course-task={','.join(tasks)}"]
-        try:
-            import pytest_timeout  # noqa: F401
+def check_seed(seed) -> int:
+    """A grading seed, or a one-line CourseError: a whole number from 0 to 2**31 - 1."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise CourseError(f"--seed {seed}: a grading seed is a whole number from 0 to {MAX_SEED}")
+    return seed
 
-            cmd[3:3] = ["-p", "pytest_timeout", "--timeout", "600"]  # a hung ring fails its test, not the grader
-        except ImportError:
-            pass
-        try:
-            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
-            log = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            log = f"the tests ran past {timeout_s:.0f} s and were stopped: {e}"
-        outcomes = json.loads(Path(out).read_text()) if Path(out).exists() else {}
-    return outcomes, log
+
+def shares(points: int, weights: list[float]) -> list[int]:
+    """``points`` split by ``weights`` in whole points that add up to ``points`` (the largest remainders round up)."""
+    total = sum(weights)
+    if total <= 0:
+        return [0] * len(weights)
+    exact = [points * w / total for w in weights]
+    out = [int(x) for x in exact]
+    for i in sorted(range(len(weights)), key=lambda i: exact[i] - out[i], reverse=True)[: points - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _function_of(nodeid: str) -> str:
+    return nodeid.split("[", 1)[0]
 
 
 def score(outcomes: dict, rows: list[Row], log: str = "") -> tuple[list[dict], list[str]]:
-    """Points per row from the tests' outcomes: ``([{"task", "points", "possible", "failed"}], stray node ids)``.
-    A row earns its points when it has tests and every one passed; ``failed`` is the first failure's line."""
+    """Points per row from the tests' outcomes: ``([{"task", "points", "possible", "failed", "tests"}], stray
+    node ids)``.  A row earns its points when it has tests and every one passed, whatever their order; where its
+    tests carry points (``@pytest.mark.points``), each test function earns its share when all its cases passed.
+    ``failed``: the first failure's line; ``tests``: every test's node id, outcome and line."""
     known = [r.task for r in rows]
     cases: dict[str, list[dict]] = {}
     stray = []
-    for nodeid, outcome in outcomes.items():
+    for nodeid, outcome in sorted(outcomes.items()):
         task = task_of(nodeid, known)
         if task in known:
-            cases.setdefault(task, []).append(outcome)
+            cases.setdefault(task, []).append({**outcome, "test": nodeid})
         elif task is not None:
             stray.append(nodeid)
     tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
@@ -196,12 +199,22 @@ def score(outcomes: dict, rows: list[Row], log: str = "") -> tuple[list[dict], l
             failed = failure_line(("" if kind == "failed" else f"{kind}: ") + bad[0]["message"])
         else:
             failed = ""
-        results.append({"task": row.task, "points": row.points if mine and not bad else 0,
-                        "possible": row.points, "failed": failed})
+        earned = row.points if mine and not bad else 0
+        weights = {_function_of(c["test"]): c["points"] for c in mine if c.get("points") is not None}
+        if mine and weights:  # partial credit: each test function its share, when every case of it passed
+            functions = sorted(weights)
+            failing = {_function_of(c["test"]) for c in bad}
+            split = shares(row.points, [weights[f] for f in functions])
+            earned = sum(p for f, p in zip(functions, split, strict=True) if f not in failing)
+        results.append({"task": row.task, "points": earned, "possible": row.points, "failed": failed,
+                        "tests": [{"test": c["test"], "outcome": c["outcome"],
+                                   "line": failure_line(c["message"]) if c["outcome"] != "passed" else ""}
+                                  for c in mine]})
     return results, stray
 
 
-def _graded_rows(root: Path, only: list[str] | None) -> list[Row]:
+def graded_rows(root: Path, only: list[str] | None) -> list[Row]:
+    """The rows of points.csv ``only`` names (all but the bug lab's when None); an unknown id is a CourseError."""
     rows = read_points(root)
     if only is None:
         return [r for r in rows if r.task != "bug"]
@@ -210,18 +223,6 @@ def _graded_rows(root: Path, only: list[str] | None) -> list[Row]:
         raise CourseError(f"--task {','.join(unknown)}: not in exercises/points.csv "
                           f"(its tasks: {', '.join(r.task for r in rows)})")
     return [r for r in rows if r.task in only]
-
-
-def grade(root: Path, impl: str, only: list[str] | None = None) -> tuple[list[dict], list[str]]:
-    """The tasks and projects of ``root`` (not the bug lab) graded against ``impl``: (:func:`score`'s rows, strays)."""
-    rows = [r for r in _graded_rows(root, only) if r.task != "bug"]
-    if impl == "reference" and not (root / "exercises" / "solutions").is_dir():
-        raise CourseError("--impl reference grades the instructor's answers, which the student edition leaves out: "
-                          "grade your own code (--impl student, the default)")
-    if not rows:
-        return [], []
-    outcomes, log = run_tests(root, impl, [r.task for r in rows])
-    return score(outcomes, rows, log)
 
 
 def table(results: list[dict]) -> str:
@@ -237,59 +238,9 @@ def table(results: list[dict]) -> str:
 
 
 def as_json(results: list[dict]) -> str:
-    """``{"tasks": [{"task", "points", "possible", "failed"}, ...], "earned": E, "possible": P}``."""
+    """``{"tasks": [{"task", "points", "possible", "failed", "tests"}, ...], "earned": E, "possible": P}``."""
     return json.dumps({"tasks": results, "earned": sum(r["points"] for r in results),
                        "possible": sum(r["possible"] for r in results)}, indent=1)
-
-
-def _overlay(root: Path, submission: Path, where: Path) -> Path:
-    """This repository's library, tests and points with ``submission``'s ``exercises/`` code in a new folder."""
-    if not (submission / "exercises").is_dir():
-        raise CourseError(f"{submission} has no exercises/ folder: is it a student copy?")
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("minifsdp", "tests"):
-        shutil.copytree(root / name, where / name, ignore=skip)
-    shutil.copy2(root / "pyproject.toml", where / "pyproject.toml")
-    shutil.copytree(submission / "exercises", where / "exercises",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "solutions", "points.csv"))
-    shutil.copy2(root / POINTS, where / POINTS)
-    return where
-
-
-def grade_submissions(root: Path, folder: Path, csv_path: Path | None,
-                      only: list[str] | None = None) -> tuple[Path, dict[str, list[dict]]]:
-    """Grade every student copy in ``folder`` (one sub-folder each) into one CSV: (its path, results by student).
-    A copy's ``bug/`` folder, if it holds a lab ``course bug`` wrote, is graded too."""
-    from minifsdp.tools.course_bug import grade_bug, has_bug_lab
-
-    subs = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-    if not subs:
-        raise CourseError(f"--submissions {folder}: no sub-folders (one student copy per folder)")
-    rows = [r for r in _graded_rows(root, only) if r.task != "bug"]
-    table_rows = []
-    for sub in subs:
-        with tempfile.TemporaryDirectory(prefix="minifsdp-submission-") as tmp:
-            try:
-                where = _overlay(root, sub, Path(tmp))
-                results, _ = grade(where, "student", [r.task for r in rows])
-            except CourseError as e:
-                results = [{"task": r.task, "points": 0, "possible": r.points, "failed": str(e)} for r in rows]
-        if has_bug_lab(sub / "bug") and (only is None or "bug" in only):
-            results.append(grade_bug(root, sub / "bug"))
-        table_rows.append((sub.name, results))
-        earned = sum(r["points"] for r in results)
-        print(f"{sub.name}: {earned} / {sum(r['possible'] for r in results)}", flush=True)
-    tasks = [r.task for r in rows] + (["bug"] if any(len(res) > len(rows) for _, res in table_rows) else [])
-    csv_path = csv_path or folder / "grades.csv"
-    with csv_path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["student", *tasks, "earned", "possible", "first failure"])
-        for name, results in table_rows:
-            got = {r["task"]: r for r in results}
-            first = next((f"{r['task']}: {r['failed']}" for r in results if r["failed"]), "")
-            w.writerow([name, *(got[t]["points"] if t in got else "" for t in tasks),
-                        sum(r["points"] for r in results), sum(r["possible"] for r in results), first])
-    return csv_path, dict(table_rows)
 
 
 def _root() -> Path:
@@ -307,8 +258,12 @@ def add_arguments(p) -> None:
     g.add_argument("--impl", choices=("student", "reference"), default="student",
                    help="the learner's code in exercises/ (default) or the instructor's answers")
     g.add_argument("--submissions", type=Path, default=None, help="a folder of student copies, one per sub-folder")
-    g.add_argument("--csv", type=Path, default=None, help="--submissions: where to write (default DIR/grades.csv)")
-    g.add_argument("--seed", type=int, default=None, help="--task bug: the lab's seed (default: read from --dir)")
+    g.add_argument("--csv", type=Path, default=None, help="--submissions: where to write (default DIR/grades.csv; "
+                                                          "feedback files in a folder 'feedback' beside it)")
+    g.add_argument("--force", action="store_true", help="--submissions: write over an earlier run's CSV and feedback")
+    g.add_argument("--seed", type=int, default=None,
+                   help=f"the grading seed, 0..{MAX_SEED}: the tests draw their inputs from it (default: a fresh one, "
+                        "printed); --task bug: the lab's seed (default: read from --dir)")
     g.add_argument("--dir", type=Path, default=None, help="--task bug: the folder `course bug` wrote")
     g.add_argument("--answer", default=None,
                    help="--task bug: the fixed place as FILE:FUNCTION (default: read DIR/ANSWER.txt)")
@@ -340,9 +295,16 @@ def _run(args) -> int:
 
         print(write_bug_lab(root, args.dir, args.seed))
         return 0
-    only = [t.strip() for t in args.task.split(",") if t.strip()] if args.task else None
+    only = [t.strip() for t in args.task.split(",") if t.strip()] if args.task is not None else None
+    if only == []:
+        raise CourseError(f"--task {args.task!r} names no task: give ids of exercises/points.csv, e.g. --task 2.2a")
+    seed = check_seed(args.seed) if args.seed is not None else secrets.randbelow(MAX_SEED + 1)
+    print(f"grading seed {seed} (the tests' inputs are drawn from it; --seed {seed} grades them again)",
+          file=sys.stderr)
     if args.submissions is not None:
-        print(f"wrote {grade_submissions(root, args.submissions, args.csv, only)[0]}")
+        from minifsdp.tools.course_class import grade_submissions
+
+        print(f"wrote {grade_submissions(root, args.submissions, args.csv, only, seed=seed, force=args.force)[0]}")
         return 0
     results = []
     if only and "bug" in only:
@@ -350,13 +312,15 @@ def _run(args) -> int:
 
         if args.dir is None:
             raise CourseError("--task bug grades the folder `course bug` wrote: give it with --dir DIR")
-        _graded_rows(root, ["bug"])  # its row must be in points.csv
+        graded_rows(root, ["bug"])  # its row must be in points.csv
         results.append(grade_bug(root, args.dir, seed=args.seed, answer=args.answer))
         only = [t for t in only if t != "bug"] or None
         if only is None:
             print(as_json(results) if args.json else table(results))
             return 0
-    graded, stray = grade(root, args.impl, only)
+    from minifsdp.tools.course_run import grade
+
+    graded, stray = grade(root, args.impl, only, seed=seed)
     results = graded + results
     if stray:
         print(f"not counted (their task has no row in exercises/points.csv): {', '.join(stray)}", file=sys.stderr)

@@ -95,12 +95,13 @@ def failure_in_text(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     last = next((ln for ln in reversed(lines) if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", ln)),
                 lines[-1] if lines else "no traceback")
+    kind, _, message = last.partition(": ")
     frames = [m for m in _FRAME.finditer(text) if "/tests/" not in m.group(1)]
     if not frames:
-        return " ".join(last.split())[:400]
+        return describe({"type": kind, "message": message[:400], "where": ""})
     path, line, name, code = frames[-1].groups()
     where = f"{path[path.rindex('/exercises/') + 1:]}:{line} in {name}" + (f": {code.strip()}" if code else "")
-    return f"{' '.join(last.split())[:400]} (at {where})"
+    return describe({"type": kind, "message": message[:400], "where": where})
 
 
 def capture(fn, *args, **kwargs) -> dict:
@@ -114,11 +115,15 @@ def capture(fn, *args, **kwargs) -> dict:
                            "where": where_in_learner(e.__traceback__)}}
 
 
+_SOURCE_TAG = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[/path/unbound_buffer.cc:78] "
+
+
 def describe(raised: dict) -> str:
-    """One line: ``ValueError: rank 5 is not in [0, 4) (exercises/launch_tasks.py:21 in rank_indices: ...)``."""
-    message = " ".join(str(raised.get("message", "")).split())
+    """One line, the learner's place first: ``exercises/ring_collectives.py:41 in ring_all_gather: req.wait():
+    RuntimeError: Timed out waiting 15000ms for recv operation to complete``."""
+    message = _SOURCE_TAG.sub("", " ".join(str(raised.get("message", "")).split()))
     where = raised.get("where") or ""
-    return f"{raised.get('type', 'Exception')}: {message}" + (f" (at {where})" if where else "")
+    return (f"{where}: " if where else "") + f"{raised.get('type', 'Exception')}: {message}"
 
 
 def raise_again(raised: dict):

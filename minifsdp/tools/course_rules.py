@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["LEARNER_FILES", "RULES", "BUILT_ON", "IMPORTS", "CourseRuleError", "Rule", "file_of", "rules_of",
-           "check_source", "stubs_left", "install", "enforce", "enforce_here"]
+           "check_source", "stubs_left", "file_verdict", "install", "enforce", "enforce_here"]
 
 # the graded files of a learner's copy, and the tasks each holds
 LEARNER_FILES = {
@@ -210,6 +210,27 @@ _STUB = re.compile(r"""raise\s+NotImplementedError\(\s*["'](?:Task\s+([\w.]+)|(p
 def stubs_left(text: str, task: str) -> list[str]:
     """The functions of ``task`` whose stub still raises in ``text`` (a learner file), in file order."""
     return [m.group(3) for m in _STUB.finditer(text) if (m.group(1) or m.group(2)) == task]
+
+
+def file_verdict(root, task: str, impl: str) -> str:
+    """Why ``task`` fails before any test of it runs, read from its file in ``root`` ("" when nothing there
+    decides it): a rule broken, a stub still in place (its own, or one of the tasks it is built on), no file."""
+    for t in (task, *BUILT_ON.get(task, ())):
+        rel = file_of(t)
+        if rel is None:
+            continue
+        path = root / rel if impl == "student" else root / "exercises" / "solutions" / rel.removeprefix("exercises/")
+        shown = path.relative_to(root).as_posix()
+        if not path.is_file():
+            return f"task {task}: {shown} is missing"
+        text = path.read_text(errors="replace")
+        broken = check_source(text, LEARNER_FILES[rel], shown)
+        if broken:
+            return f"rule broken: {broken[0]}" + (f" (and {len(broken) - 1} more)" if len(broken) > 1 else "")
+        left = stubs_left(text, t)
+        if left:
+            return f"task {task} not done yet: {shown} {left[0]}" + (f" (task {t})" if t != task else "")
+    return ""
 
 
 # ------------------------------------------------------------------------------------------- at run time

@@ -87,3 +87,25 @@ def outcome_line(result: dict) -> str:
     from minifsdp.tools.course_remote import describe
 
     return describe(result["raised"])
+
+
+def anyone_failed(failed: bool) -> bool:
+    """On every rank of a learner's spawn: whether any rank's last learner call failed (the grader's collective,
+    outside the task's rules), so every rank skips what would wait for a rank that gave up."""
+    import torch
+    import torch.distributed as dist
+
+    from minifsdp.tools.course_rules import enforce
+
+    flag = torch.tensor([float(failed)])
+    with enforce(()):
+        dist.all_reduce(flag)
+    return bool(flag.item())
+
+
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def root_causes_first(lines: list[str]) -> list[str]:
+    """Failure lines with a rank's own failure before those that only lost a peer (a peer's crash or time-out)."""
+    return sorted(lines, key=lambda line: any(h in line for h in _SECONDARY))

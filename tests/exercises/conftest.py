@@ -20,7 +20,7 @@ import pytest
 
 from minifsdp.tools.course import not_done, read_points, task_of
 from minifsdp.tools.course_remote import LearnerProcess, learner_module
-from minifsdp.tools.course_rules import BUILT_ON, LEARNER_FILES, check_source, file_of, stubs_left
+from minifsdp.tools.course_rules import LEARNER_FILES, file_verdict
 from tests.exercises import module_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,36 +63,13 @@ def _impl_of(config) -> str | None:
     return chosen
 
 
-def _path(rel: str, impl: str) -> Path:
-    return ROOT / (rel if impl == "student" else "exercises/solutions/" + rel.removeprefix("exercises/"))
-
-
 _VERDICTS: dict[tuple[str, str], str] = {}
 
 
 def verdict_from_the_file(task: str, impl: str) -> str:
-    """Why ``task`` fails before any test of it runs ("" if nothing in its file decides it)."""
+    """Why ``task`` fails before any test of it runs (``course_rules.file_verdict``; "" if nothing decides it)."""
     if (task, impl) not in _VERDICTS:
-        line = ""
-        for t in (task, *BUILT_ON.get(task, ())):
-            rel = file_of(t)
-            if rel is None:
-                continue
-            path = _path(rel, impl)
-            if not path.exists():
-                line = f"task {task}: {path.relative_to(ROOT)} is missing"
-                break
-            text = path.read_text(errors="replace")
-            broken = check_source(text, LEARNER_FILES[rel], path.relative_to(ROOT).as_posix())
-            if broken:
-                line = f"rule broken: {broken[0]}" + (f" (and {len(broken) - 1} more)" if len(broken) > 1 else "")
-                break
-            left = stubs_left(text, t)
-            if left:
-                line = f"task {task} not done yet: {path.relative_to(ROOT).as_posix()} {left[0]}" + \
-                       (f" (task {t})" if t != task else "")
-                break
-        _VERDICTS[(task, impl)] = line
+        _VERDICTS[(task, impl)] = file_verdict(ROOT, task, impl)
     return _VERDICTS[(task, impl)]
 
 
