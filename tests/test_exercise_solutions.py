@@ -1,12 +1,13 @@
 """The instructor's answers themselves (``exercises/solutions/``; the student edition leaves this file out).
 
 * By construction, copying an answer over its stub gives a module the task tests grade as they grade the
-  reference (``impl_module`` hands them ``exercises.solutions.X`` or ``exercises.X``): every stub module
+  reference (``module_name`` gives them ``exercises.solutions.X`` or ``exercises.X``): every stub module
   that raises ``NotImplementedError`` has an answer of the same name (projects' included), defining every
   function and class the stub does, importing only the library, torch and the starter code the student
   edition keeps (a project's model, never another answer or a stub), so it runs where the stub was.
-  ``tests/test_exercise_grading.py`` copies them into the student edition and grades the tasks; this is
-  why the projects need not be run there a second time.
+  ``tests/test_exercise_grading.py`` copies some into the student edition and grades them; this is why the
+  others need not be run there a second time (the rules that read each file read the answers too:
+  ``tests/test_course.py``).
 * Exercise 2.1c's answer all-reduces the gradient norm on the collective's device, on a rank with no
   shards too (a CPU zero would fail on NCCL).  With no GPU here, a "meta" tensor stands in for the device
   ``collective_device`` answers for a plain "nccl" group.

@@ -1,12 +1,13 @@
 """The instructor's answers, one module per stub module of ``exercises/`` and of the same name.
 
-``tests/exercises/__init__.py::impl_module`` hands a task's tests ``exercises.solutions.<name>`` under
-``--impl=reference`` and the learner's ``exercises.<name>`` under ``--impl=student``; the tests compute
-what each function must return from the library or from torch, never from these files.  Where the
-library is the answer, the module re-exports the library's function under the stub's name (and signature);
-where it is not, the answer is written here.  Every module imports only ``minifsdp`` and torch, so copying
-it over its stub (``exercises/solutions/ring_collectives.py`` -> ``exercises/ring_collectives.py``) gives
-a stub module that earns every point: CI does exactly that in the student edition.
+``tests/exercises/__init__.py::module_name`` names ``exercises.solutions.<name>`` to a task's tests under
+``--impl=reference`` and the learner's ``exercises.<name>`` under ``--impl=student``, and either runs in the
+learner's process, never in the grader's; the tests compute what each function must return from the library
+or from torch, never from these files.  Where the library is the answer, the module re-exports the library's
+function under the stub's name (and signature); where it is not, the answer is written here.  Every module
+imports only ``minifsdp`` and torch and obeys its task's rules (``minifsdp/tools/course_rules.py``), so
+copying it over its stub (``exercises/solutions/ring_collectives.py`` -> ``exercises/ring_collectives.py``)
+gives a stub module that earns every point: CI does that in the student edition for some of them.
 
 The student edition (``python -m minifsdp course student-copy DIR``) leaves this folder out.
 

@@ -31,13 +31,18 @@ CASES = [(n, w) for n in (1, 2, 10, 11, 17, 100) for w in (1, 2, 3, 4, 7, 16)]
 def test_task1_3_every_rank_slice_is_torchs(rank_indices, shuffle, drop_last, course_seed):
     rng = random.Random(f"{course_seed}:1.3:{shuffle}:{drop_last}")
     drawn = [(rng.randint(1, 300), rng.randint(1, 9)) for _ in range(4)]
-    for n, w in CASES + drawn:
-        for epoch, seed in ((0, 0), (3, 0), (1, 42), (rng.randint(0, 99), rng.randint(0, 10**6))):
-            for r in range(w):
-                want = torch_slice(n, r, w, shuffle, seed, epoch, drop_last)
-                got = rank_indices(n, r, w, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
-                assert list(got) == want, (f"n={n}, rank {r} of {w}, shuffle={shuffle}, seed={seed}, "
-                                           f"epoch={epoch}, drop_last={drop_last}: {list(got)} != torch's {want}")
+    cases = [(n, r, w, seed, epoch) for n, w in CASES + drawn
+             for epoch, seed in ((0, 0), (3, 0), (1, 42), (rng.randint(0, 99), rng.randint(0, 10**6)))
+             for r in range(w)]
+    got = rank_indices.many([((n, r, w), {"shuffle": shuffle, "seed": seed, "epoch": epoch, "drop_last": drop_last})
+                             for n, r, w, seed, epoch in cases])  # one round trip to the learner's process
+    assert len(got) == len(cases)
+    for (n, r, w, seed, epoch), mine in zip(cases, got, strict=True):
+        if isinstance(mine, Exception):
+            raise mine
+        want = torch_slice(n, r, w, shuffle, seed, epoch, drop_last)
+        assert list(mine) == want, (f"n={n}, rank {r} of {w}, shuffle={shuffle}, seed={seed}, "
+                                    f"epoch={epoch}, drop_last={drop_last}: {list(mine)} != torch's {want}")
 
 
 def test_task1_3_slices_are_equal_in_length_and_cover_the_data(rank_indices):
