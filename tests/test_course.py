@@ -143,6 +143,8 @@ def test_a_project_shares_its_points_among_its_tests():
     assert (result["points"], result["failed"]) == (22, "rank 1 differs"), result
     assert [t["outcome"] for t in result["tests"]] == ["passed", "passed", "failed", "passed"]
     assert score({k: {**v, **OK} for k, v in outcomes.items()}, rows)[0][0]["points"] == 30
+    ran_one = {f"{base}bitwise": {**OK, "points": 12, "points_total": 30}}  # the run stopped after one test
+    assert score(ran_one, rows)[0][0]["points"] == 12
     assert shares(30, [12, 10, 8]) == [12, 10, 8] and shares(20, [1, 1, 1]) == [7, 7, 6] and sum(shares(7, [3, 3])) == 7
 
 

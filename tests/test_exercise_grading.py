@@ -7,9 +7,10 @@ a class finds earn nothing.
   scored, not run again.  Run alone, this file runs them once, through the grader.
 * A class (``course grade --submissions``, copies of the student edition built here, one graded run):
   - ``untouched``: every task and project earns 0, each failing in one line (no traceback), with no test run;
-  - ``honest``: the answers of tasks 1.3 and 2.2a-c copied over the stubs earn their points (the learner's process,
-    the learner's ranks, the overlay of the graded files: the student's path; the other tasks' answers take the
-    same path in the reference run, their files checked by the same rules);
+  - ``honest``: the answers of tasks 1.3 and 2.2a-c copied over the stubs, and 2.3a written, earn their points
+    (the learner's process, the learner's ranks, the overlay of the graded files: the student's path; the other
+    tasks' answers, 5.3's and project-zero1's among them, take the same path in the reference run, their files
+    read by the same rules);
   - ``cheater``, each cheat on the task it targets: ``exercises/__init__.py`` rewriting the outcome recorder
     (every task), ``DistributedSampler`` for 1.3, ``dist.all_gather_into_tensor`` for 2.2b, a table of the test's
     own values for 2.3a, the planting's environment variable for 5.3, torch's ``ZeroRedundancyOptimizer`` for
@@ -155,6 +156,21 @@ def edition(tmp_path_factory):
     return where
 
 
+HONEST_2_3A = '''    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage {stage}")
+    optimizer = 12 * num_params / (world_size if stage >= 1 else 1)
+    gradients = 2 * num_params / (world_size if stage >= 2 else 1)
+    return 2 * num_params / (world_size if stage == 3 else 1) + gradients + optimizer
+'''
+
+
+def _with_2_3a_done(edition: Path) -> str:
+    """The edition's memory_tasks.py with task 2.3a written by a student (2.3b and 2.4 left as stubs)."""
+    text = (edition / "exercises" / "memory_tasks.py").read_text()
+    stub = next(ln for ln in text.splitlines(keepends=True) if 'NotImplementedError("Task 2.3a' in ln)
+    return text.replace(stub, HONEST_2_3A)
+
+
 def _student(edition: Path, where: Path, files: dict[str, str] | None = None, answers=()) -> Path:
     shutil.copytree(edition, where, ignore=shutil.ignore_patterns(".git"))
     for rel in answers:
@@ -168,7 +184,8 @@ def _student(edition: Path, where: Path, files: dict[str, str] | None = None, an
 def test_a_class_untouched_honest_cheating_and_broken(edition, tmp_path):
     klass = tmp_path / "class"
     _student(edition, klass / "untouched")
-    _student(edition, klass / "honest", answers=("launch_tasks.py", "ring_collectives.py"))
+    _student(edition, klass / "honest", {"exercises/memory_tasks.py": _with_2_3a_done(edition)},
+             answers=("launch_tasks.py", "ring_collectives.py"))
     _student(edition, klass / "cheater", {
         "exercises/__init__.py": FORGED_RECORDER, "exercises/launch_tasks.py": SAMPLER,
         "exercises/ring_collectives.py": ORACLE_RING, "exercises/memory_tasks.py": LOOKUP,
@@ -187,7 +204,7 @@ def test_a_class_untouched_honest_cheating_and_broken(edition, tmp_path):
         assert "\n" not in r["failed"] and "Traceback" not in r["failed"], r
     assert [r["task"] for r in results["untouched"]] == everything
 
-    answered = ("1.3", "2.2a", "2.2b", "2.2c")
+    answered = ("1.3", "2.2a", "2.2b", "2.2c", "2.3a")
     short = [f"{t}: {by['honest'][t]['failed']}" for t in answered
              if by["honest"][t]["points"] != by["honest"][t]["possible"]]
     assert not short, "the answers copied into the student edition miss points:\n" + "\n".join(short)

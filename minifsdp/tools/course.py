@@ -176,7 +176,8 @@ def _function_of(nodeid: str) -> str:
 def score(outcomes: dict, rows: list[Row], log: str = "") -> tuple[list[dict], list[str]]:
     """Points per row from the tests' outcomes: ``([{"task", "points", "possible", "failed", "tests"}], stray
     node ids)``.  A row earns its points when it has tests and every one passed, whatever their order; where its
-    tests carry points (``@pytest.mark.points``), each test function earns its share when all its cases passed.
+    tests carry points (``@pytest.mark.points``), each test function earns its share when all its cases passed
+    (the share of a test that never ran is lost: ``points_total`` weighs them all).
     ``failed``: the first failure's line; ``tests``: every test's node id, outcome and line."""
     known = [r.task for r in rows]
     cases: dict[str, list[dict]] = {}
@@ -204,8 +205,9 @@ def score(outcomes: dict, rows: list[Row], log: str = "") -> tuple[list[dict], l
         if mine and weights:  # partial credit: each test function its share, when every case of it passed
             functions = sorted(weights)
             failing = {_function_of(c["test"]) for c in bad}
-            split = shares(row.points, [weights[f] for f in functions])
-            earned = sum(p for f, p in zip(functions, split, strict=True) if f not in failing)
+            unran = max(c.get("points_total", 0) for c in mine) - sum(weights.values())  # tests that never ran
+            split = shares(row.points, [weights[f] for f in functions] + [max(unran, 0)])
+            earned = sum(p for f, p in zip(functions, split) if f not in failing)
         results.append({"task": row.task, "points": earned, "possible": row.points, "failed": failed,
                         "tests": [{"test": c["test"], "outcome": c["outcome"],
                                    "line": failure_line(c["message"]) if c["outcome"] != "passed" else ""}

@@ -34,15 +34,20 @@ def _known() -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    known, weights = _known(), {}  # every weighted test function of each task, before any is deselected
     for item in items:
         marker = item.get_closest_marker("points")
-        if marker is not None:
-            item.user_properties.append(("points", marker.args[0]))
+        if marker is not None and item.nodeid.startswith(HERE):
+            weights.setdefault(task_of(item.nodeid, known), {})[item.nodeid.split("[", 1)[0]] = marker.args[0]
+    for item in items:
+        marker = item.get_closest_marker("points")
+        if marker is not None and item.nodeid.startswith(HERE):
+            item.user_properties += [("points", marker.args[0]),
+                                     ("points_total", sum(weights[task_of(item.nodeid, known)].values()))]
     wanted = config.getoption("--course-task")
     if not wanted:
         return
     wanted = {t.strip() for t in wanted.split(",") if t.strip()}
-    known = _known()
     keep, drop = [], []
     for item in items:
         mine = item.nodeid.startswith(HERE) and task_of(item.nodeid, known) in wanted

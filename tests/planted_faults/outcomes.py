@@ -15,7 +15,8 @@ environment: no process the tests start (a rank, the learner's process) learns w
 starter gives a key (``course grade``: a pipe whose number ``MINIFSDP_COURSE_KEY_FD`` names, read here and
 closed), the file is signed: ``<file>.hmac`` holds HMAC-SHA256 of its bytes, which the starter checks, so a
 file written by anyone else does not pass for the outcomes.  A test's ``points`` (``@pytest.mark.points``,
-kept in its report's ``user_properties``) is recorded with its outcome.
+kept in its report's ``user_properties``) is recorded with its outcome, and ``points_total``, the weights of
+all its task's tests (so a test that never ran still holds its share).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def record(report) -> None:
     """Fold one phase's report (setup, call, teardown) into ``SESSION``; a failure is never overwritten."""
     if SESSION.get(report.nodeid, {}).get("outcome") in ("failed", "error"):
         return
-    extra = {k: v for k, v in getattr(report, "user_properties", ()) if k == "points"}
+    extra = {k: v for k, v in getattr(report, "user_properties", ()) if k in ("points", "points_total")}
     if report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
         message = crash.message if crash is not None else str(report.longrepr)[-2000:]
