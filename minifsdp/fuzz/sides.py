@@ -20,6 +20,11 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
@@ -33,6 +38,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from torch.distributed.tensor import Shard
 
 import minifsdp.fsdp as ours_fsdp1
 import minifsdp.fsdp2 as ours_fsdp2
@@ -132,7 +138,18 @@ def wrap_fsdp1(program: Program, side: Side, model: nn.Module, ctx: RankContext)
                 owner[name] = wrapped
             else:
                 owner._modules[name] = wrapped
-    return side.FSDP(model, auto_wrap_policy=_policy(w), ignored_modules=ignored or None, **kwargs)
+    model = side.FSDP(model, auto_wrap_policy=_policy(w), ignored_modules=ignored or None, **kwargs)
+    if o.get("ac"):  # torch's recipe for FSDP1: wrap first, then checkpoint the blocks inside the units
+        checkpoint_blocks(model, o["ac"])
+    return model
+
+
+def checkpoint_blocks(model: nn.Module, how: str) -> None:
+    """torch's ``apply_activation_checkpointing`` on every Block, reentrant or not, as a torch user calls it."""
+    impl = CheckpointImpl.REENTRANT if how == "reentrant" else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                                                  checkpoint_impl=impl),
+                                   check_fn=lambda m: isinstance(m, Block))
 
 
 def wrap_fsdp2(program: Program, side: Side, model: nn.Module, ctx: RankContext):
@@ -147,10 +164,17 @@ def wrap_fsdp2(program: Program, side: Side, model: nn.Module, ctx: RankContext)
                                                    cast_forward_inputs=mp["cast_forward_inputs"])
     if o["cpu_offload"]:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if o.get("placement") == "shard1":  # a Linear's weight sharded by columns, every other parameter by rows
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 else None
+    if o.get("ac"):  # torchtitan's order for FSDP2: checkpoint the blocks first, then shard them
+        checkpoint_blocks(model, o["ac"])
     units = [model.get_submodule(p) for p in program.wrap["manual"] if p in block_paths(program.model)]
     for unit in units:
         side.fully_shard(unit, **kwargs)
     root_kwargs = dict(kwargs)
+    ignored = [p for path in program.wrap.get("ignored", []) for p in model.get_submodule(path).parameters()]
+    if ignored:
+        root_kwargs["ignored_params"] = set(ignored)
     if root_kwargs["reshard_after_forward"] not in (True, False):  # an int is for inner units only
         root_kwargs["reshard_after_forward"] = True
     side.fully_shard(model, **root_kwargs)
