@@ -122,7 +122,9 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         sync_module_states: copy rank 0's parameters and buffers to every rank at wrap time, unit by unit
             (on CPU too: torch FSDP1's needs a GPU).
         use_orig_params: show the original parameters (views of the local shard): ``orig_params.py``.
-        device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.
+        device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.  HYBRID_SHARD with neither this
+            nor ``process_group`` (and an ``auto_wrap_policy``): torch's groups, one shard group per node
+            (``torch_options.node_groups``).
     """
 
     def __init__(self, module: nn.Module, process_group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
@@ -145,6 +147,9 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError("backward_prefetch takes BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST "
                             f"or None, got {backward_prefetch!r}")
+        # the groups, once for the root and the units below it: a mesh's, or HYBRID's built as torch's
+        process_group = opts.mesh_process_group(sharding_strategy, process_group, device_mesh, auto_wrap_policy,
+                                                lambda: opts.devices_per_node(module, device_id))
         if auto_wrap_policy is not None:  # children first, each a unit of this class (post-order, as torch)
             check_layer_cls_matches(module, auto_wrap_policy)
             fp32 = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
@@ -155,7 +160,7 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
                          backward_prefetch=backward_prefetch, param_init_fn=param_init_fn, device_id=device_id,
                          sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                          limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
-                         ignored_states=ignored or None, device_mesh=device_mesh, collectives=collectives)
+                         ignored_states=ignored or None, collectives=collectives)
             opts.wrap_children(module, auto_wrap_policy, lambda m: type(self)(
                 m, mixed_precision=None if isinstance(m, fp32) else mixed_precision, **child), ignored_mods)
         deferred_init.materialize(module, param_init_fn, device_id, ignored_mods, ignored)  # a meta-device model
@@ -165,9 +170,8 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
                       BackwardExtras(free_before_concat=not use_orig_params)]
         if use_orig_params:
             extensions.append(OrigParams())
-        super().__init__(module, opts.mesh_process_group(sharding_strategy, process_group, device_mesh),
-                         sharding_strategy, None, backward_prefetch, mixed_precision, forward_prefetch,
-                         limit_all_gathers, collectives, extensions)
+        super().__init__(module, process_group, sharding_strategy, None, backward_prefetch, mixed_precision,
+                         forward_prefetch, limit_all_gathers, collectives, extensions)
         self.use_orig_params, self.cpu_offload = use_orig_params, cpu_offload
         self.register_load_state_dict_pre_hook(sd_type.load_under_a_plain_parent)  # a plain root above us
         install_optimizer_check()

@@ -22,7 +22,10 @@ extension of each unit, ``core/extension.py``) sets at the step's fixed points:
     before a gather     -                                      the write-back (below)            before_unshard
 
 Note (alignment): torch aligns each original to 16 bytes in the flat buffer when
-``use_orig_params=True``, so each piece is a valid tensor start; so do we (:func:`aligned`, at ``on_wrap``).
+``use_orig_params=True``, so each piece is a valid tensor start, and pads the end to a multiple of the
+group's size, NO_SHARD's too (``_flat_param.py``'s ``_init_flat_param_and_metadata``): Linear(5, 13) in a unit
+of its own, 65 + 13 numbers, is 65 + 3 + 13 = 81 aligned and 82 on 2 ranks, and NO_SHARD all-reduces 82.  So do
+we (:func:`aligned`, at ``on_wrap``).
 
 Note (frozen originals): a unit may mix frozen and trainable originals; a frozen one's view
 is detached, gets no gradient, and the optimizer skips it.  ``p.requires_grad_(False)``
@@ -52,16 +55,16 @@ __all__ = ["OrigParams", "aligned", "set_tensor_attr", "clear_tensor_attr", "sho
 ALIGN_BYTES = 16  # torch's: each original starts at a multiple of 16 bytes in the flat buffer
 
 
-def aligned(layout: FlatParamLayout, align_numel: int) -> FlatParamLayout:
-    """``layout`` with each parameter starting at a multiple of ``align_numel`` (the gaps hold zeros; torch's
-    hold 42, a marker never read)."""
+def aligned(layout: FlatParamLayout, align_numel: int, group_size: int) -> FlatParamLayout:
+    """``layout`` with each parameter starting at a multiple of ``align_numel`` and the end padded to a multiple
+    of ``group_size``, under NO_SHARD too (the gaps hold zeros; torch's hold 42, a marker never read)."""
     slots, offset = [], 0
     for s in layout.slots:
         if offset % align_numel:
             offset += align_numel - offset % align_numel
         slots.append(ParamSlot(s.fqn, s.module, s.name, s.shape, offset, s.numel, s.requires_grad, s.param))
         offset += s.numel
-    return FlatParamLayout(slots, layout.shared, layout.world_size, offset, padded_size(offset, layout.world_size))
+    return FlatParamLayout(slots, layout.shared, layout.world_size, offset, padded_size(offset, group_size))
 
 
 def set_tensor_attr(module: nn.Module, name: str, t: torch.Tensor) -> None:
@@ -128,7 +131,7 @@ class OrigParams(Extension):
         if layout is None:
             return None
         itemsize = resolve_dtypes(unit.mixed_precision, layout.slots[0].param.dtype).param.itemsize
-        layout = aligned(layout, ALIGN_BYTES // itemsize)
+        layout = aligned(layout, ALIGN_BYTES // itemsize, unit.groups.shard_size)
         self.originals = [s.param for s in layout.slots]
         return layout
 

@@ -8,6 +8,9 @@
     auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=...)
                                      torch's other policy (the core's wrap.py has the transformer one)
     device_mesh=init_device_mesh(...) the process group(s) the core takes (HYBRID: (shard, replicate))
+    HYBRID_SHARD, no process_group   torch's groups, built once at the root and shared by the units below it
+    and no device_mesh               (:func:`node_groups`): a shard group per node, a node being as many ranks
+                                     as the device has devices (``torch.cuda.device_count()``; on the CPU 1)
     sharding_strategy=None           FULL_SHARD (torch reads None so)
     torch's ShardingStrategy, BackwardPrefetch, MixedPrecision
                                      ours, by name / by field (the same meaning)
@@ -46,6 +49,7 @@ from minifsdp.fsdp.core.strategy import ShardingPlan, ShardingStrategy
 from minifsdp.fsdp.core.units import flattened_params, is_unit
 
 __all__ = ["CPUOffload", "MixedPrecision", "size_based_auto_wrap_policy", "hybrid_groups", "mesh_process_group",
+           "node_groups", "devices_per_node",
            "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
            "check_homogeneous", "ignored_params", "wrap_children", "policy_with_mp_overrides",
            "override_mixed_precision"]
@@ -97,13 +101,45 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup
     return mine["shard"], mine["replicate"]
 
 
-def mesh_process_group(strategy: ShardingStrategy, process_group, device_mesh):
+def devices_per_node(module: nn.Module, device_id=None) -> int:
+    """How many ranks torch FSDP1 puts on a node: the count of ``device_id``'s kind of device, else of the first
+    parameter not on the CPU (``_init_utils.py``'s ``_init_device_handle``, then ``device_count()``).  On the CPU
+    ``torch.cpu.device_count()`` is 1: every rank is a node of its own."""
+    if device_id is not None:
+        kind = "cuda" if isinstance(device_id, int) else torch.device(device_id).type
+    else:
+        kind = next((p.device.type for p in module.parameters() if p.device.type not in ("cpu", "meta")), "cpu")
+    return getattr(torch, kind).device_count()
+
+
+def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """HYBRID_SHARD's groups when none are given, as torch FSDP1 builds them (``_init_utils.py``'s
+    ``_init_intra_and_inter_node_groups``): shard inside a node (ranks 0..n-1, n..2n-1, ...), replicate across
+    nodes (the ranks with the same place in theirs).  Collective; the root builds them once, its units share them.
+
+    On the CPU (n = 1) each shard group is one rank: HYBRID_SHARD shards nothing there, and
+    :func:`~minifsdp.fsdp.pitfalls.warn_hybrid_shard_of_one` says what that means on torch and on ours."""
+    return hybrid_groups(ranks_per_node)
+
+
+def mesh_process_group(strategy: ShardingStrategy, process_group, device_mesh, auto_wrap_policy=None,
+                       ranks_per_node=None):
     """torch's ``device_mesh=`` as the ``process_group`` the core takes: a 1-D mesh's group, or a 2-D
-    (replicate, shard) mesh's ``(shard_group, replicate_group)`` for HYBRID_SHARD."""
+    (replicate, shard) mesh's ``(shard_group, replicate_group)`` for HYBRID_SHARD.  HYBRID_SHARD given neither
+    groups nor a mesh: :func:`node_groups` (``ranks_per_node()`` of them) with an ``auto_wrap_policy``, else
+    torch's error (``_init_utils.py``'s ``_init_process_group_state``)."""
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("Cannot pass both process_group and device_mesh at the same time. Please just pass "
+                         "only one of them.")
+    if device_mesh is None and process_group is None and ShardingPlan.of(strategy).two_groups:
+        if auto_wrap_policy is None:  # each FSDP(...) call would build groups of its own
+            raise ValueError(f"Manual wrapping with {strategy} requires explicit specification of process group "
+                             "or device_mesh (torch's words; each FSDP(...) would build groups of its own): pass "
+                             "device_mesh=init_device_mesh(device, (replicate, shard)) or process_group=("
+                             "shard_group, replicate_group) (see minifsdp.hybrid_groups).")
+        return node_groups(ranks_per_node())
     if device_mesh is None:
         return process_group
-    if process_group is not None:
-        raise ValueError("pass either process_group= or device_mesh=, not both")
     if not ShardingPlan.of(strategy).two_groups:
         if device_mesh.ndim != 1:
             raise ValueError(f"{strategy.name} takes a 1-D device_mesh, got {device_mesh.ndim}-D; "

@@ -33,7 +33,7 @@ autograd's "modified by an inplace operation" check, as in torch FSDP1.
 
 Note (NO_SHARD): nothing to gather; ``unsharded`` *is* ``flat_param``, its gradient all-reduced in
 place.  With ``MixedPrecision(param_dtype=...)`` the compute copy is a *cast* of ``flat_param``
-(``casts_unsharded``), made at each use and freed after it, as torch's ``_mp_shard``.
+(``casts_unsharded``) of all of it, made at each use and freed after it, as torch's ``_mp_shard``.
 
 Note (one job): the handle owns a unit's tensors and the collectives that move them, and never calls
 back into its unit: the step (``fsdp.py``) decides *when*.  torch's counterpart: ``FlatParamHandle``
@@ -83,9 +83,10 @@ class FlatParamHandle:
         self.gradient = UnitGradient(self)
 
     def new_full_buffer(self) -> torch.Tensor:
-        """A freed ``padded`` buffer in the compute dtype; ``unsharded`` (the same leaf) becomes its first numel."""
+        """A freed ``padded`` buffer in the compute dtype; ``unsharded`` (the same leaf) becomes its first numel
+        (NO_SHARD: all of it, its padding too, as the flat parameter it is a cast of)."""
         padded = torch.empty(self.layout.padded_numel, dtype=self.dtypes.param, device=self.flat_param.device)
-        self.unsharded.data = padded[: self.layout.numel]  # own version counter: see Note
+        self.unsharded.data = padded[: self.layout.numel] if self.sharded else padded  # own version counter: Note
         padded.untyped_storage().resize_(0)  # starts freed
         return padded
 
