@@ -70,8 +70,8 @@ class ExecutionOrder:
             self.pre_forward.append(unit)
 
     def record_post_forward(self, unit) -> None:
-        if unit not in self.post_forward:
-            self.post_forward.append(unit)
+        # every time, as torch's: a unit called twice is here twice, read at its first place (list.index)
+        self.post_forward.append(unit)
 
     def next_in_forward(self, unit):
         """The unit that ran after ``unit`` in the first iteration's forward (None until that order is known)."""
