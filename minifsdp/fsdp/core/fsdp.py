@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.distributed.utils import _apply_to_tensors
 
 from minifsdp.comm import get_collectives
 from minifsdp.fsdp.core.extension import Extensions
@@ -228,9 +228,18 @@ class FullyShardedDataParallel(Unit):
     def _register_pre_backward_hooks(self, out) -> None:
         """torch's ``_register_pre_backward_hooks``: autograd calls :meth:`_pre_backward_hook` when it reaches
         one of the outputs, that is, just before it needs this unit's parameters again.  Why the outputs?
-        Autograd has no "this module's backward begins" event: an output's gradient is the first thing it gets."""
+        Autograd has no "this module's backward begins" event: an output's gradient is the first thing it gets.
+
+        The tensors are found by torch FSDP1's own walk (``_apply_to_tensors``, as the inputs' cast): inside
+        dataclasses, dicts, namedtuples, lists, tuples, sets.  ``tree_flatten`` would see a dataclass or a dict
+        subclass as one leaf: no hook, and the backward would reach freed parameters.  torch returns the walk's
+        rebuilt nest (a dict subclass comes back a plain dict); ours returns the module's own output."""
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self.is_root:  # (torch: a backward that died before its callback ran leaves no flag set)
+                self._root_step.final_callback_queued = False
+            tensors = []
+            _apply_to_tensors(lambda t: tensors.append(t) or t, out)
+            tensors = [t for t in tensors if t.requires_grad]
             for t in tensors:
                 t.register_hook(self._pre_backward_hook)
             if tensors:
