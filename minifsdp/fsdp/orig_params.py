@@ -176,7 +176,7 @@ class OrigParams(Extension):
         """Views of the full buffer (a frozen original's detached); in the forward registered too, so that
         ``named_parameters()`` inside it yields them (full shapes, plain tensors), as torch's."""
         h = unit._handle
-        views = unflatten(h.unsharded, h.layout)
+        views = unflatten(h.view_source(), h.layout)  # (under MixedPrecision, core/handle.py's _OneCall)
         self.forward_views = []
         for slot, v in zip(h.layout.slots, views):
             if not slot.param.requires_grad:

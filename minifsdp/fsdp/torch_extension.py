@@ -24,7 +24,7 @@ points ``core/extension.py`` lists:
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.distributed.utils import _apply_to_tensors
 
 from minifsdp.fsdp import pitfalls
 from minifsdp.fsdp.checks import (
@@ -123,8 +123,9 @@ class TorchExtension(Extension):
             adopt_dtype(h)  # model.half() before it: gather (and compute) in the new dtype
 
     def after_forward(self, unit, output) -> None:
-        if unit.is_root and torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]):
+        found = []  # the output's tensors as the core's pre-backward hooks find them (torch FSDP1's walk)
+        _apply_to_tensors(lambda t: found.append(t) or t, output)
+        if unit.is_root and torch.is_grad_enabled() and any(t.requires_grad for t in found):
             self.versions_at_forward = _shard_versions(unit._root_step.units)
 
     def after_backward(self, unit) -> None:

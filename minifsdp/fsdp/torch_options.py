@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffload  # torch's own class, re-exported (as state_dict_type.py's)
+from torch.distributed.utils import _apply_to_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import tree_flatten
 
 from minifsdp.fsdp.core import mixed_precision as core_mp
 from minifsdp.fsdp.core.mixed_precision import cast_floating
@@ -255,8 +255,9 @@ def override_mixed_precision(root: nn.Module, classes: tuple) -> None:
 
 
 def _cast_inputs_up(module, args):
-    cast = [a.dtype for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.is_floating_point()
-            and a.dtype != torch.float32]
+    cast = []  # the dtype of each tensor cast, in torch's walk (_apply_to_tensors: dataclasses, sets too)
+    _apply_to_tensors(lambda a: cast.append(a.dtype) or a if a.is_floating_point() and a.dtype != torch.float32
+                      else a, args)
     module.__dict__["_minifsdp_input_dtype"] = cast[-1] if cast else None  # torch: the last one cast
     return cast_floating(args, torch.float32)
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.distributed.utils import _apply_to_tensors
 
 from minifsdp.comm import get_collectives
 from minifsdp.fsdp.core.extension import Extensions
@@ -127,7 +127,7 @@ class FullyShardedDataParallel(Unit):
         self._root: FullyShardedDataParallel | None = None
         # the root's only
         self._root_step: RootStep | None = None
-        # False inside no_sync(); the hook on the handle's gradient leaf, once the leaf requires grad:
+        # False inside no_sync(); the hook on the handle's gradient leaf (or its node), once the leaf requires grad:
         self._sync_gradients, self._post_backward_handle = True, None
         self._register_post_backward_hook()
 
@@ -228,9 +228,14 @@ class FullyShardedDataParallel(Unit):
     def _register_pre_backward_hooks(self, out) -> None:
         """torch's ``_register_pre_backward_hooks``: autograd calls :meth:`_pre_backward_hook` when it reaches
         one of the outputs, that is, just before it needs this unit's parameters again.  Why the outputs?
-        Autograd has no "this module's backward begins" event: an output's gradient is the first thing it gets."""
+        Autograd has no "this module's backward begins" event: an output's gradient is the first thing it gets.
+        Found by torch FSDP1's walk (``_apply_to_tensors``), into dataclasses and dict subclasses (leaves to
+        ``tree_flatten``: no hook); torch returns the nest it rebuilt (a dict subclass as a dict), ours the output."""
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self.is_root:  # (torch: a backward that died before its callback ran leaves no flag set)
+                self._root_step.final_callback_queued = False
+            tensors = []
+            _apply_to_tensors(lambda t: (t.requires_grad and tensors.append(t)) or t, out)
             for t in tensors:
                 t.register_hook(self._pre_backward_hook)
             if tensors:
@@ -243,10 +248,11 @@ class FullyShardedDataParallel(Unit):
         again (once per backward), and start gathering the next unit's early (BACKWARD_PRE).
 
         Why queue the final callback here?  Autograd runs a callback queued during a backward once that whole
-        backward is done, and this is our first hook to fire in it (normally the root's, nearest the loss);
-        torch queues it the same way (``_register_post_backward_final_callback``)."""
+        backward is done, and this is our first hook to fire in it (normally the root's, nearest the loss).  torch
+        queues it from the root's only: a backward that misses the root's outputs (a loss on an inner output kept
+        aside) ends there with units mid-backward, sharded gradients outside ``.grad`` (``test_fsdp_outputs.py``)."""
         root, step = self._root, self._root._root_step
-        if not step.final_callback_queued:  # the first pre-backward of this backward: the root's
+        if not step.final_callback_queued:  # the first pre-backward of this backward (normally the root's)
             step.final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._post_backward_final_callback)
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
@@ -303,7 +309,7 @@ class FullyShardedDataParallel(Unit):
 
     # ================================================================== 3. end of backward
     def _post_backward_final_callback(self) -> None:
-        """torch's ``_post_backward_final_callback`` (queued by the root's first pre-backward): autograd is done;
+        """torch's ``_post_backward_final_callback`` (queued by the first pre-backward): autograd is done;
         finish every reduction still in flight, free what is left, every unit back to IDLE.
 
         torch's first makes the compute stream wait for the reduction streams, then ``_ExecOrderData.next_iter``,
@@ -361,13 +367,17 @@ class FullyShardedDataParallel(Unit):
 
         Why after accumulation?  Autograd sums every use's contribution (each view, a tied weight's two names)
         before the leaf's AccumulateGrad runs once, so this hook sees the whole gradient.  torch registers on
-        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``), once."""
+        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``), once; so do
+        we where each call's gradient comes in alone (``handle.py``, ``_OneCall``): the node runs after them all
+        with none to add, when a hook on the leaf would not run.  (We hold the node: the leaf keeps it.)"""
         h = self._handle
         if h is not None and h.unsharded.requires_grad and self._post_backward_handle is None:
             # the hook lives in C++, unseen by Python's GC: it must not hold the unit
             unit = weakref.ref(self)
-            self._post_backward_handle = h.unsharded.register_post_accumulate_grad_hook(
-                lambda _leaf: unit()._post_backward_hook())
+            hook, leaf = lambda *_: unit()._post_backward_hook(), h.unsharded
+            node = torch.autograd.graph.get_gradient_edge(leaf).node if h.calls_alone else None
+            self._post_backward_handle = (node, node.register_hook(hook)) if node else \
+                leaf.register_post_accumulate_grad_hook(hook)
 
     # ================================================================== outside the step
     # (``module``, ``flat_param`` and ``is_root`` are the base class's: ``units.py``)

@@ -49,6 +49,24 @@ from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
 from minifsdp.fsdp.core.state import HandleState
 
 
+class _OneCall(torch.autograd.Function):
+    """``unsharded`` as one call of the unit sees it, under MixedPrecision, where torch's flat parameter changes dtype
+    at every reshard and autograd gives a leaf whose dtype changed a new AccumulateGrad node: each call adds its
+    gradient to ``.grad`` alone, ``(G + g2) + g1``, not ``G + (g2 + g1)`` (an ulp apart in bf16).  This backward adds
+    the same way (NO_SHARD's cast copy: on into ``flat_param.grad``) and hands the leaf nothing."""
+    @staticmethod
+    def forward(ctx, leaf: torch.Tensor, handle) -> torch.Tensor:
+        ctx.handle = handle
+        return leaf.view_as(leaf)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h = ctx.handle
+        h.unsharded.grad = grad if h.unsharded.grad is None else h.unsharded.grad.add_(grad)
+        if h.casts_unsharded:
+            h.gradient.take_cast_grad()
+        return None, None
+
 class FlatParamHandle:
     """One unit's flat parameter: layout, local shard, full buffer; ``comm`` from ``get_collectives``."""
 
@@ -64,6 +82,7 @@ class FlatParamHandle:
         self.rank = groups.shard_rank if self.sharded else 0
         self.dtypes = resolve_dtypes(mixed_precision, layout.slots[0].param.dtype)
         self.casts_unsharded = self.dtypes.casts_params and not self.sharded  # NO_SHARD: cast, no gather
+        self.calls_alone = self.dtypes.casts_params  # each call's views through a _OneCall (fixed at wrap time)
         self.frees = self.sharded or self.casts_unsharded  # the compute buffer is freed between uses
         full = flatten(layout)
         requires_grad = any(s.requires_grad for s in layout.slots)
@@ -153,11 +172,14 @@ class FlatParamHandle:
     def use_unsharded_views(self) -> None:
         """Forward: every original name is a view of the full buffer (autograd flows to it); a tied weight's
         second name gets the *same* view, so both uses' gradients sum."""
-        views = unflatten(self.unsharded, self.layout)
+        views = unflatten(self.view_source(), self.layout)
         for slot, v in zip(self.layout.slots, views):  # plain attributes, through setattr: a module that
             setattr(slot.module, slot.name, v)  # overrides __setattr__ sees every switch, as under torch
         for sh in self.layout.shared:
             setattr(sh.module, sh.name, views[sh.primary])
+
+    def view_source(self) -> torch.Tensor:  # what a forward call's views are cut from (``_OneCall``)
+        return _OneCall.apply(self.unsharded, self) if self.calls_alone else self.unsharded
 
     def use_sharded_views(self) -> None:
         """At wrap time and after ``summon_full_params`` (``minifsdp/fsdp/full_params.py``): every original

@@ -70,8 +70,9 @@ class ExecutionOrder:
             self.pre_forward.append(unit)
 
     def record_post_forward(self, unit) -> None:
-        if unit not in self.post_forward:
-            self.post_forward.append(unit)
+        # every time, as torch's: a unit called twice is here twice, read at its first place (list.index); torch
+        # moves the very first unit to its second place (its index 0 is falsy there): the same collectives, tested
+        self.post_forward.append(unit)
 
     def next_in_forward(self, unit):
         """The unit that ran after ``unit`` in the first iteration's forward (None until that order is known)."""
