@@ -106,19 +106,23 @@ PREFETCH = {"BACKWARD_PRE": BackwardPrefetch.BACKWARD_PRE, "BACKWARD_POST": Back
             "None": None}
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 EXTRAS = {"default": {}, "forward_prefetch": dict(forward_prefetch=True), "no_limit": dict(limit_all_gathers=False),
-          "bf16": dict(mixed_precision=BF16), "bf16_forward_prefetch": dict(mixed_precision=BF16, forward_prefetch=True)}
+          "bf16": dict(mixed_precision=BF16), "bf16_forward_prefetch": dict(mixed_precision=BF16, forward_prefetch=True),
+          "forward_prefetch_two_forwards": dict(forward_prefetch=True)}  # (the model runs twice before each backward)
 ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in ("linears", "root_params", "nested")
                for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in PREFETCH
                for extra in ("default", "forward_prefetch", "no_limit")
                if extra != "no_limit" or strategy == "FULL_SHARD"]  # SHARD_GRAD_OP gathers nothing in the backward
 # a unit with parameters of its own around a nested one, twice: a pre-backward finds two units gathered
 ORDER_CASES += [("norm_blocks", "FULL_SHARD", "BACKWARD_PRE", extra) for extra in ("bf16", "bf16_forward_prefetch")]
+# the second forward's prefetch makes views of units that still await the first forward's backward
+ORDER_CASES += [("linears", "FULL_SHARD", "BACKWARD_PRE", "forward_prefetch_two_forwards")]
 ORDER_STEPS = 3  # the second step is the first with an order recorded (forward_prefetch follows it), the third repeats it
 
 
 def case_order(api: Side, shape: str, strategy: str, prefetch: str, extra: str) -> dict:
-    """2 SGD steps; per step, the (kind, numel) of every all-gather and reduce-scatter in the forward and in the
-    backward, in the order this rank issued them; the losses and the full parameters after."""
+    """``ORDER_STEPS`` SGD steps; per step, the (kind, numel) of every all-gather and reduce-scatter in the forward
+    (or the two forwards) and in the backward, in the order this rank issued them; the losses and the full
+    parameters after."""
     model = build(api, shape, sharding_strategy=ShardingStrategy[strategy], backward_prefetch=PREFETCH[prefetch],
                   **EXTRAS[extra])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -127,6 +131,8 @@ def case_order(api: Side, shape: str, strategy: str, prefetch: str, extra: str) 
         x, y = batch(step, dist.get_rank())
         with CollectiveLog() as fwd:
             loss = F.mse_loss(model(x).float(), y)  # (bf16 under MixedPrecision)
+            if extra.endswith("two_forwards"):
+                loss = loss + F.mse_loss(model(2 * x), y)
         with CollectiveLog() as bwd:
             loss.backward()
         opt.step()

@@ -5,8 +5,9 @@
    FULL_SHARD and SHARD_GRAD_OP, on three wrap shapes: an ``nn.Sequential`` of Linears wrapped by
    ``ModuleWrapPolicy({nn.Linear})`` (a root with no parameters of its own, the common setup), a root that keeps
    a Linear, and a unit with its own parameters around a nested unit; and, under bf16 MixedPrecision with and
-   without ``forward_prefetch``, two such units in a row (each BatchNorm a unit of its own inside its block).
-   Three steps each: ``forward_prefetch`` prefetches from the second on.
+   without ``forward_prefetch``, two such units in a row (each BatchNorm a unit of its own inside its block);
+   and the model run twice before each backward, with ``forward_prefetch``.  Three steps each:
+   ``forward_prefetch`` prefetches from the second on.
    Oracle: torch's c10d ops recorded in the same run (``tests/_workers_overlap.CollectiveLog``), each named by its
    numel (the units' padded flat sizes all differ); exact.  Losses and full parameters: bitwise.
 2. ``requires_grad`` changed after wrapping, both ways (frozen at wrap and unfrozen after a step, as progressive
