@@ -106,7 +106,8 @@ PREFETCH = {"BACKWARD_PRE": BackwardPrefetch.BACKWARD_PRE, "BACKWARD_POST": Back
             "None": None}
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 EXTRAS = {"default": {}, "forward_prefetch": dict(forward_prefetch=True), "no_limit": dict(limit_all_gathers=False),
-          "bf16": dict(mixed_precision=BF16), "bf16_forward_prefetch": dict(mixed_precision=BF16, forward_prefetch=True),
+          "bf16": dict(mixed_precision=BF16),
+          "bf16_forward_prefetch": dict(mixed_precision=BF16, forward_prefetch=True),
           "forward_prefetch_two_forwards": dict(forward_prefetch=True)}  # (the model runs twice before each backward)
 ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in ("linears", "root_params", "nested")
                for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in PREFETCH
@@ -116,7 +117,7 @@ ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in ("linears", "root
 ORDER_CASES += [("norm_blocks", "FULL_SHARD", "BACKWARD_PRE", extra) for extra in ("bf16", "bf16_forward_prefetch")]
 # the second forward's prefetch makes views of units that still await the first forward's backward
 ORDER_CASES += [("linears", "FULL_SHARD", "BACKWARD_PRE", "forward_prefetch_two_forwards")]
-ORDER_STEPS = 3  # the second step is the first with an order recorded (forward_prefetch follows it), the third repeats it
+ORDER_STEPS = 3  # the 2nd step is the first with an order recorded (forward_prefetch follows it), the 3rd repeats it
 
 
 def case_order(api: Side, shape: str, strategy: str, prefetch: str, extra: str) -> dict:

@@ -187,12 +187,12 @@ def test_limit_all_gathers_is_torchs_free_event_queue():
     for _ in range(200):
         if rng.random() < 0.5:  # a reshard that frees: both record an event
             ours.record_free(torch.device("cpu"))
-            recorded.append(ours.queue[-1])
-            theirs.enqueue(ours.queue[-1])
+            recorded.append(ours[-1])
+            theirs.enqueue(ours[-1])
         else:  # an all-gather: which event (by position in recording order) each waits for, if any
-            before = list(ours.queue)
+            before = list(ours)
             ours.wait_before_all_gather()
-            gone = [e for e in before if e not in ours.queue]
+            gone = [e for e in before if all(e is not f for f in ours)]
             waited_ours.append([recorded.index(e) for e in gone])
             event = theirs.dequeue_if_needed()
             waited_theirs.append([] if event is None else [recorded.index(event)])

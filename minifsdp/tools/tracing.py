@@ -171,7 +171,7 @@ class _Spans(Extension):
 
     def after_unshard(self, unit) -> None:
         kind = _KIND.get(unit.training_state)
-        if kind is not None and self.comm.prefetch:  # a forward prefetch made the views: the unit computes
+        if kind == "forward" and self.comm.prefetch:  # a forward prefetch made the views: the unit computes
             if unit._handle.state is HandleState.GATHERING:  # once its own forward has waited for the gather
                 self.comm.last_gather.then = lambda: self.tracer.open(kind, unit._handle.name)
         elif kind is not None:

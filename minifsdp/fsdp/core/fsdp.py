@@ -73,8 +73,7 @@ class RootStep:
     final_callback_queued: bool = False
     # (id(module), name) -> dtype before buffer_dtype's cast
     buffer_dtypes: dict = field(default_factory=dict)
-    # limit_all_gathers' queue (prefetch.py)
-    free_events: FreeEvents = field(default_factory=FreeEvents)
+    free_events: FreeEvents = field(default_factory=FreeEvents)  # limit_all_gathers' (prefetch.py)
 
 class FullyShardedDataParallel(Unit):
     """Shard ``module``'s parameters over ``process_group``; arguments named and meant as torch's.
@@ -208,11 +207,11 @@ class FullyShardedDataParallel(Unit):
         if h is not None:
             step = self._root._root_step
             step.order.record_pre_forward(self)
-            if h.state is HandleState.GATHERING:  # prefetched, its views made then (prefetch.py, Note (views))
-                h.wait_unshard()
-            else:
-                self._unshard()
-                self._use_unsharded_views()
+            prefetched = h.state is HandleState.GATHERING  # its views made then (prefetch.py, Note (views))
+            self._unshard()
+            if not prefetched:  # module.weight ... become views of the full buffer, as the module expects
+                h.use_unsharded_views()
+                self._extensions.after_unshard(self)
             if self._root.forward_prefetch:
                 self._prefetch(step.order.next_in_forward(self), in_backward=False)
         return args, kwargs
@@ -220,8 +219,7 @@ class FullyShardedDataParallel(Unit):
     def _post_forward(self, again: bool) -> None:
         """torch's ``_post_forward`` (``_post_forward_reshard`` decides alike): free the parameters if the plan
         says so (never the root's: its backward comes at once, so freeing them would only gather them again)."""
-        h = self._handle
-        if h is not None:
+        if self._handle is not None:
             # the backward runs in the reverse order
             self._root._root_step.order.record_post_forward(self)
             self._reshard(free=not self.is_root and self.plan.frees_after_forward)
@@ -335,42 +333,36 @@ class FullyShardedDataParallel(Unit):
 
     # ================================================================== helpers of the phases above
     def _unshard(self) -> None:
-        """torch's ``_unshard``: gather this unit's parameters and wait for them."""
-        self._start_unshard()
+        """torch's ``_unshard``: gather this unit's parameters and wait for them (prefetched: only wait, as torch)."""
+        if self._handle.state is not HandleState.GATHERING:
+            self._start_unshard()
         self._handle.wait_unshard()
 
     def _start_unshard(self, prefetch: bool = False) -> None:
         """Issue the all-gather and return: the half of :meth:`_unshard` a prefetch runs (it waits later)."""
         self._extensions.before_unshard(self, prefetch)
-        if self._root.limit_all_gathers:
-            self._root._root_step.free_events.wait_before_all_gather()
+        # limit_all_gathers (prefetch.py, Note (the limit)); the queue stays empty without it
+        self._root._root_step.free_events.wait_before_all_gather()
         self._handle.start_unshard()
 
-    def _use_unsharded_views(self) -> None:
-        """module.weight ... become views of the full buffer, as the module expects (the forward's)."""
-        self._handle.use_unsharded_views()
-        self._extensions.after_unshard(self)
-
     def _reshard(self, free: bool) -> None:
-        """torch's ``_reshard``: free the full parameters or keep them; a free joins limit_all_gathers' queue."""
-        freed = free and self._handle.state is not HandleState.SHARDED
-        self._handle.reshard(free=free)
-        if freed and self._root.limit_all_gathers:
+        """torch's ``_reshard``: free the full parameters or keep them; a free is queued for limit_all_gathers."""
+        if free and self._root.limit_all_gathers and self._handle.state is not HandleState.SHARDED:
             self._root._root_step.free_events.record_free(self._handle.flat_param.device)
+        self._handle.reshard(free=free)
         self._extensions.after_reshard(self)
 
     def _prefetch(self, target, in_backward: bool) -> None:
-        """torch's ``_prefetch_handle``: start ``target``'s all-gather now if it needs one; in the forward, in the
-        target's FORWARD state, make its views too, as torch does (``prefetch.py``, Note (views))."""
-        if not can_prefetch(target, in_backward):
-            return
-        before = target.training_state
-        if not in_backward:
-            target.training_state = TrainingState.FORWARD
-        target._start_unshard(prefetch=True)
-        if not in_backward:
-            target._use_unsharded_views()
-        target.training_state = before
+        """torch's ``_prefetch_handle``: start ``target``'s all-gather now if it needs one; in the forward, make its
+        views too, the target in FORWARD state meanwhile, as torch's (``prefetch.py``, Note (views))."""
+        if can_prefetch(target, in_backward) and in_backward:
+            target._start_unshard(prefetch=True)
+        elif can_prefetch(target, in_backward):
+            before, target.training_state = target.training_state, TrainingState.FORWARD
+            target._start_unshard(prefetch=True)
+            target._handle.use_unsharded_views()
+            target._extensions.after_unshard(target)
+            target.training_state = before
 
     def _finish_reduction(self) -> None:
         """Wait for this unit's reduction in flight, if any, and tell the extensions its gradient is there."""

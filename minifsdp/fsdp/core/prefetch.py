@@ -13,8 +13,7 @@
   after its own all-gather, start unit i+1's and make its views (Note (views)).
 * ``backward_prefetch``: this iteration's *post-forward* order, read backwards: ``BACKWARD_PRE`` in
   unit i's pre-backward (two units' parameters alive meanwhile), ``BACKWARD_POST`` after freeing i.
-* ``limit_all_gathers=True``: before an all-gather, wait until the device has done the older of the
-  last two frees (Note (the limit)); it delays an all-gather, never skips one.
+* ``limit_all_gathers=True``: an all-gather first waits for the device's older frees (Note (the limit)).
 
 Which all-gather starts early in a FULL_SHARD backward, units b2 b1 b0 (the reverse of the forward):
 
@@ -28,25 +27,21 @@ BACKWARD_PRE overlaps b1's all-gather with b2's gradient computation, at the pri
 parameters at once; BACKWARD_POST frees b2 first (one non-root unit's at a time) and overlaps less.
 
 Note (views): torch's ``FlatParamHandle.unshard`` also points the module's names at views of the full
-buffer, so a unit that the unit before prefetched gets its views in that unit's pre-forward; ours too
-(``FullyShardedDataParallel._prefetch``).  That moment orders the backward's collectives: autograd runs
-the newest ready node first, and the views' split node (its gradient reaches the post-backward hook)
-is older than everything b0 computes:
+buffer, so a forward prefetch makes the target's views in the pre-forward of the unit before; ours too.
+That orders the backward: autograd runs the newest ready node first, and the views' split node (whose
+gradient reaches the post-backward hook) is then older than all that b0 computes:
 
-    forward, b0 prefetches b1:    split b1 | b0's ops | relu | b1's ops          (oldest ... newest)
-    backward, newest first:       b1's ops | relu | b0's pre-backward: AG b0 | ... | split b1: RS b1
-    (views in b1's own forward:   b0's ops | relu | split b1 | b1's ops   ->  RS b1 before AG b0)
+    forward, b0 prefetches b1:   split b1 | b0's ops | relu | b1's ops           (oldest ... newest)
+    backward, newest first:      b1's ops | relu | pre-backward b0: AG b0 | ... | split b1: RS b1
+    (split b1 made in b1's own forward, after relu: RS b1 would come before AG b0)
 
-So with ``forward_prefetch`` a unit's reduce-scatter may come after the next pre-backward, and three
-units' parameters may be alive at once (BACKWARD_PRE: b1's, b0's and the one b0 prefetches).
+So a reduce-scatter may follow the next unit's pre-backward, and three units' parameters may be alive
+at once (BACKWARD_PRE: b1's, b0's, and the one b0 prefetches).
 
-Note (the limit): torch's rate limiter (``_limiter_utils._FreeEventQueue``): each ``_reshard`` that
-frees records a device event, and each ``_unshard`` (``_runtime_utils.py``), once two are queued,
-waits (``synchronize``) for the oldest before it issues its all-gather: on a GPU, where the CPU thread
-only queues kernels, at most two all-gathers run ahead of the frees the device has done.  It delays an
-all-gather, never skips one.
-On a CPU there is nothing to wait for (``torch.cpu.Event`` records nothing; its ``synchronize``
-returns at once), so torch FSDP1 issues every prefetch, and so does ours (:class:`FreeEvents`).
+Note (the limit): torch's rate limiter (``_limiter_utils._FreeEventQueue``): each ``_reshard`` that frees
+records a device event; each ``_unshard``, once two are queued, waits for the oldest before its all-gather:
+on a GPU, where the CPU thread only queues kernels, at most two all-gathers run ahead of the device's frees.
+It delays, never skips; a CPU's events (``torch.cpu.Event``) record nothing, so on a CPU it never waits.
 
 Note (never changes the numbers): a prefetch only moves *when* an all-gather is issued.  torch FSDP1
 issues it on a CUDA stream, so on a CPU it cannot overlap; ours runs on gloo's thread meanwhile.
@@ -105,20 +100,16 @@ def prefetch_target(pre_forward: list, post_forward: list, unit, mode: str):
     i = order.index(unit) + step if unit in order else -1  # -1 or len(order): past either end, None
     return order[i] if 0 <= i < len(order) else None
 
-class FreeEvents:
+class FreeEvents(collections.deque):
     """torch's ``_FreeEventQueue``: the device events of the latest frees, oldest first (Note (the limit))."""
 
-    def __init__(self):
-        self.queue = collections.deque()
-
     def record_free(self, device: torch.device) -> None:
-        event = torch.get_device_module(device).Event()  # (a CPU's: torch.cpu.Event, which does nothing)
-        event.record()
-        self.queue.append(event)
+        self.append(torch.get_device_module(device).Event())  # (a CPU's: torch.cpu.Event, which does nothing)
+        self[-1].record()
 
     def wait_before_all_gather(self) -> None:
-        if len(self.queue) >= RATE_LIMIT:
-            self.queue.popleft().synchronize()
+        if len(self) >= RATE_LIMIT:
+            self.popleft().synchronize()
 
 def can_prefetch(target, in_backward: bool) -> bool:
     """Whether to start ``target``'s all-gather now (the step issues it): it needs one and its backward is still
