@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy, StateDictType
+from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from tests._workers_overlap import CollectiveLog
@@ -50,8 +50,21 @@ class _Block(nn.Module):
         return self.inner(torch.relu(self.fc(x)))
 
 
+class _NormBlock(nn.Module):
+    """A unit with a Linear of its own and a BatchNorm that a MixedPrecision run wraps in a unit of its own inside
+    it (both FSDPs: ``MixedPrecision._module_classes_to_ignore``)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(d_in, d_out), nn.BatchNorm1d(d_out)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.fc(x)))
+
+
 # shape -> (builder, wrap policy); flat sizes at 2 ranks (padded): linears 78, 154, 36 (root none);
-# root_params 78, 154 and the root 36; nested: root 102 (5x13 + 7x3 Linears), block 154, inner 84
+# root_params 78, 154 and the root 36; nested: root 102 (5x13 + 7x3 Linears), block 154, inner 84;
+# norm_blocks (under MixedPrecision, each BatchNorm a unit inside its block): 78, 26, 154, 22 and the root 36
 SHAPES = {
     "linears": (lambda: nn.Sequential(nn.Linear(5, 13), nn.ReLU(), nn.Linear(13, 11), nn.ReLU(), nn.Linear(11, 3)),
                 lambda: ModuleWrapPolicy({nn.Linear})),
@@ -59,6 +72,8 @@ SHAPES = {
                     lambda: ModuleWrapPolicy({_Unit})),
     "nested": (lambda: nn.Sequential(nn.Linear(5, 13), nn.ReLU(), _Block(), nn.ReLU(), nn.Linear(7, 3)),
                lambda: ModuleWrapPolicy({_Block, _Unit})),
+    "norm_blocks": (lambda: nn.Sequential(_NormBlock(5, 13), _NormBlock(13, 11), nn.Linear(11, 3)),
+                    lambda: ModuleWrapPolicy({_NormBlock})),
 }
 
 
@@ -89,16 +104,26 @@ def _grads(model) -> list:
 # ---------------------------------------------------------------------- 1. the order of collectives
 PREFETCH = {"BACKWARD_PRE": BackwardPrefetch.BACKWARD_PRE, "BACKWARD_POST": BackwardPrefetch.BACKWARD_POST,
             "None": None}
-EXTRAS = {"default": {}, "forward_prefetch": dict(forward_prefetch=True), "no_limit": dict(limit_all_gathers=False)}
-ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in SHAPES for strategy in ("FULL_SHARD", "SHARD_GRAD_OP")
-               for prefetch in PREFETCH for extra in EXTRAS
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+EXTRAS = {"default": {}, "forward_prefetch": dict(forward_prefetch=True), "no_limit": dict(limit_all_gathers=False),
+          "bf16": dict(mixed_precision=BF16),
+          "bf16_forward_prefetch": dict(mixed_precision=BF16, forward_prefetch=True),
+          "forward_prefetch_two_forwards": dict(forward_prefetch=True)}  # (the model runs twice before each backward)
+ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in ("linears", "root_params", "nested")
+               for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in PREFETCH
+               for extra in ("default", "forward_prefetch", "no_limit")
                if extra != "no_limit" or strategy == "FULL_SHARD"]  # SHARD_GRAD_OP gathers nothing in the backward
-ORDER_STEPS = 2  # the second step is the first with an order recorded (forward_prefetch follows it)
+# a unit with parameters of its own around a nested one, twice: a pre-backward finds two units gathered
+ORDER_CASES += [("norm_blocks", "FULL_SHARD", "BACKWARD_PRE", extra) for extra in ("bf16", "bf16_forward_prefetch")]
+# the second forward's prefetch makes views of units that still await the first forward's backward
+ORDER_CASES += [("linears", "FULL_SHARD", "BACKWARD_PRE", "forward_prefetch_two_forwards")]
+ORDER_STEPS = 3  # the 2nd step is the first with an order recorded (forward_prefetch follows it), the 3rd repeats it
 
 
 def case_order(api: Side, shape: str, strategy: str, prefetch: str, extra: str) -> dict:
-    """2 SGD steps; per step, the (kind, numel) of every all-gather and reduce-scatter in the forward and in the
-    backward, in the order this rank issued them; the losses and the full parameters after."""
+    """``ORDER_STEPS`` SGD steps; per step, the (kind, numel) of every all-gather and reduce-scatter in the forward
+    (or the two forwards) and in the backward, in the order this rank issued them; the losses and the full
+    parameters after."""
     model = build(api, shape, sharding_strategy=ShardingStrategy[strategy], backward_prefetch=PREFETCH[prefetch],
                   **EXTRAS[extra])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -106,7 +131,9 @@ def case_order(api: Side, shape: str, strategy: str, prefetch: str, extra: str) 
     for step in range(ORDER_STEPS):
         x, y = batch(step, dist.get_rank())
         with CollectiveLog() as fwd:
-            loss = F.mse_loss(model(x), y)
+            loss = F.mse_loss(model(x).float(), y)  # (bf16 under MixedPrecision)
+            if extra.endswith("two_forwards"):
+                loss = loss + F.mse_loss(model(2 * x), y)
         with CollectiveLog() as bwd:
             loss.backward()
         opt.step()

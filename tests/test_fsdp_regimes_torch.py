@@ -4,7 +4,10 @@
    (BACKWARD_PRE, BACKWARD_POST, None), with and without ``forward_prefetch`` and ``limit_all_gathers``, under
    FULL_SHARD and SHARD_GRAD_OP, on three wrap shapes: an ``nn.Sequential`` of Linears wrapped by
    ``ModuleWrapPolicy({nn.Linear})`` (a root with no parameters of its own, the common setup), a root that keeps
-   a Linear, and a unit with its own parameters around a nested unit.
+   a Linear, and a unit with its own parameters around a nested unit; and, under bf16 MixedPrecision with and
+   without ``forward_prefetch``, two such units in a row (each BatchNorm a unit of its own inside its block);
+   and the model run twice before each backward, with ``forward_prefetch``.  Three steps each:
+   ``forward_prefetch`` prefetches from the second on.
    Oracle: torch's c10d ops recorded in the same run (``tests/_workers_overlap.CollectiveLog``), each named by its
    numel (the units' padded flat sizes all differ); exact.  Losses and full parameters: bitwise.
 2. ``requires_grad`` changed after wrapping, both ways (frozen at wrap and unfrozen after a step, as progressive
@@ -60,17 +63,7 @@ def _ids(case: tuple) -> str:
 
 
 # ---------------------------------------------------------------------- 1. the order of collectives
-_VIEWS_AT_PREFETCH = (
-    "forward_prefetch: torch makes a unit's parameter views when its all-gather completes (in the unit before's "
-    "pre-forward), ours in the unit's own pre-forward, so autograd (newer nodes first) runs torch's next "
-    "pre-backward all-gather before this unit's post-backward reduce-scatter, ours after it")
-_ORDER_XFAIL = {("linears", "FULL_SHARD", "BACKWARD_PRE", "forward_prefetch"),
-                ("linears", "FULL_SHARD", "None", "forward_prefetch"),
-                ("root_params", "FULL_SHARD", "None", "forward_prefetch")}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_VIEWS_AT_PREFETCH))
-                                  if c in _ORDER_XFAIL else c for c in W.ORDER_CASES], ids=_ids)
+@pytest.mark.parametrize("case", W.ORDER_CASES, ids=_ids)
 def test_collective_order_in_each_step_is_torch_s(regimes, case):
     for rank, (ours, theirs) in enumerate(_both(regimes, "order", case)):
         assert len(theirs["backward"]) == W.ORDER_STEPS and all(theirs["backward"])  # the recorder saw them

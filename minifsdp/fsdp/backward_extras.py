@@ -46,6 +46,8 @@ class BackwardExtras(Extension):
         No input that requires grad (a frozen embedding, first in the model): nothing to hook, the final
         callback frees it."""
         self.again = unit.training_state is TrainingState.AWAITING_BACKWARD
+        if self.again:  # a forward prefetch made this forward's views already (core/prefetch.py, Note (views)),
+            self.free_token = None  # and hooked their split node before the unit knew: undo it
         h = unit._handle
         if h is None or h.unsharded.requires_grad or self.reshard_only_hook is not None \
                 or not torch.is_grad_enabled():
@@ -80,6 +82,7 @@ class BackwardExtras(Extension):
             unit._handle.reshard()
 
     def after_backward(self, unit) -> None:
+        self.again = False  # (the next forward's prefetch reads it before that forward's before_forward)
         if self.reshard_only_hook is not None:
             self.reshard_only_hook.remove()
             self.reshard_only_hook = None

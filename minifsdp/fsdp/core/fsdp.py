@@ -56,8 +56,8 @@ from minifsdp.fsdp.core.extension import Extensions
 from minifsdp.fsdp.core.flat_param import build_layout
 from minifsdp.fsdp.core.handle import FlatParamHandle
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, cast_buffers, cast_floating
-from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, can_prefetch
-from minifsdp.fsdp.core.state import TrainingState
+from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, FreeEvents, can_prefetch
+from minifsdp.fsdp.core.state import HandleState, TrainingState
 from minifsdp.fsdp.core.strategy import ShardingPlan, resolve_groups
 from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units
 from minifsdp.fsdp.core.wrap import recursive_wrap
@@ -73,6 +73,7 @@ class RootStep:
     final_callback_queued: bool = False
     # (id(module), name) -> dtype before buffer_dtype's cast
     buffer_dtypes: dict = field(default_factory=dict)
+    free_events: FreeEvents = field(default_factory=FreeEvents)  # limit_all_gathers' (prefetch.py)
 
 class FullyShardedDataParallel(Unit):
     """Shard ``module``'s parameters over ``process_group``; arguments named and meant as torch's.
@@ -206,23 +207,22 @@ class FullyShardedDataParallel(Unit):
         if h is not None:
             step = self._root._root_step
             step.order.record_pre_forward(self)
+            prefetched = h.state is HandleState.GATHERING  # its views made then (prefetch.py, Note (views))
             self._unshard()
+            if not prefetched:  # module.weight ... become views of the full buffer, as the module expects
+                h.use_unsharded_views()
+                self._extensions.after_unshard(self)
             if self._root.forward_prefetch:
                 self._prefetch(step.order.next_in_forward(self), in_backward=False)
-            # module.weight ... are views of the full buffer, as the module expects
-            h.use_unsharded_views()
-            self._extensions.after_unshard(self)
         return args, kwargs
 
     def _post_forward(self, again: bool) -> None:
         """torch's ``_post_forward`` (``_post_forward_reshard`` decides alike): free the parameters if the plan
         says so (never the root's: its backward comes at once, so freeing them would only gather them again)."""
-        h = self._handle
-        if h is not None:
+        if self._handle is not None:
             # the backward runs in the reverse order
             self._root._root_step.order.record_post_forward(self)
-            h.reshard(free=not self.is_root and self.plan.frees_after_forward)
-            self._extensions.after_reshard(self)
+            self._reshard(free=not self.is_root and self.plan.frees_after_forward)
         self.training_state = TrainingState.AWAITING_BACKWARD if again else TrainingState.IDLE
 
     def _register_pre_backward_hooks(self, out) -> None:
@@ -296,8 +296,7 @@ class FullyShardedDataParallel(Unit):
     def _post_backward_reshard(self) -> None:
         """torch's ``_post_backward_reshard``: free the parameters (as the plan says), then the BACKWARD_POST
         prefetch of the unit the backward needs next."""
-        self._handle.reshard(free=self._should_free_in_backward())
-        self._extensions.after_reshard(self)
+        self._reshard(free=self._should_free_in_backward())
         if self._root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._root._root_step.order.next_in_backward(self), in_backward=True)
 
@@ -329,8 +328,7 @@ class FullyShardedDataParallel(Unit):
         self.training_state = TrainingState.IDLE
         if self._handle is not None:
             self._finish_reduction()
-            self._handle.reshard(free=self._should_free_in_backward())
-            self._extensions.after_reshard(self)
+            self._reshard(free=self._should_free_in_backward())
         self._extensions.after_backward(self)
 
     # ================================================================== 4. the optimizer step
@@ -341,20 +339,36 @@ class FullyShardedDataParallel(Unit):
 
     # ================================================================== helpers of the phases above
     def _unshard(self) -> None:
-        """torch's ``_unshard``: gather this unit's parameters and wait for them."""
-        self._start_unshard()
+        """torch's ``_unshard``: gather this unit's parameters and wait for them (prefetched: only wait, as torch)."""
+        if self._handle.state is not HandleState.GATHERING:
+            self._start_unshard()
         self._handle.wait_unshard()
 
     def _start_unshard(self, prefetch: bool = False) -> None:
         """Issue the all-gather and return: the half of :meth:`_unshard` a prefetch runs (it waits later)."""
         self._extensions.before_unshard(self, prefetch)
+        # limit_all_gathers (prefetch.py, Note (the limit)); the queue stays empty without it
+        self._root._root_step.free_events.wait_before_all_gather()
         self._handle.start_unshard()
 
+    def _reshard(self, free: bool) -> None:
+        """torch's ``_reshard``: free the full parameters or keep them; a free is queued for limit_all_gathers."""
+        if free and self._root.limit_all_gathers and self._handle.state is not HandleState.SHARDED:
+            self._root._root_step.free_events.record_free(self._handle.flat_param.device)
+        self._handle.reshard(free=free)
+        self._extensions.after_reshard(self)
+
     def _prefetch(self, target, in_backward: bool) -> None:
-        """torch's ``_prefetch_handle``: start ``target``'s all-gather now, if it needs one and the limit allows
-        (the unit makes its views in its own pre-forward: ``prefetch.py``, Note (views))."""
-        if can_prefetch(target, self._root._root_step.units, self._root.limit_all_gathers, in_backward):
+        """torch's ``_prefetch_handle``: start ``target``'s all-gather now if it needs one; in the forward, make its
+        views too, the target in FORWARD state meanwhile, as torch's (``prefetch.py``, Note (views))."""
+        if can_prefetch(target, in_backward) and in_backward:
             target._start_unshard(prefetch=True)
+        elif can_prefetch(target, in_backward):
+            before, target.training_state = target.training_state, TrainingState.FORWARD
+            target._start_unshard(prefetch=True)
+            target._handle.use_unsharded_views()
+            target._extensions.after_unshard(target)
+            target.training_state = before
 
     def _finish_reduction(self) -> None:
         """Wait for this unit's reduction in flight, if any, and tell the extensions its gradient is there."""
