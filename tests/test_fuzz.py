@@ -183,6 +183,10 @@ PINNED = {
                                                       "offload": False, "load": True}]),
     "local_state_dict_with_orig_params": _pinned(use_orig_params=True, steps=[
         {"op": "state_dict", "type": "LOCAL", "rank0_only": False, "offload": False, "load": True}]),
+    "full_state_dict_offload_on_cpu": _pinned(steps=[{"op": "state_dict", "type": "FULL", "rank0_only": False,
+                                                      "offload": True, "load": False}]),
+    "orig_params_optim_state_dict_repeats_a_state": _pinned(use_orig_params=True, steps=[
+        {"op": "optim_state_dict", "rank0_only": False, "load": True}]),
 }
 
 
@@ -238,3 +242,28 @@ def test_pinned_local_with_orig_params_torch_cannot_load_its_own_dict_ours_can(p
         assert rec["ours"]["error"] is None
         keys = [k for k, _ in rec["ours"]["steps"][i]["state_types"]]
         assert keys and all(k.endswith("_flat_param") for k in keys), keys
+
+
+def test_pinned_full_state_dict_offload_torch_reads_freed_storage_ours_copies(pinned):
+    for rec in pinned["full_state_dict_offload_on_cpu"]:
+        assert rec["torch"]["error"][:2] == (2, "RuntimeError") and "setStorage" in rec["torch"]["error"][2]
+        assert rec["ours"]["error"] is None
+        state = rec["ours"]["steps"][2]["state"]  # the whole model, by its plain names, as summon shows it
+        assert [n for n, *_ in state] == [n for n, *_ in rec["ours"]["final"]["full"]]
+        assert all(kind == "Tensor" for _, kind, _ in state)
+
+
+def test_pinned_orig_params_optim_state_torch_repeats_exp_avg_sq_ours_resumes(pinned):
+    i = 2
+    for rec in pinned["orig_params_optim_state_dict_repeats_a_state"]:
+        states = {}
+        for side in ("torch", "ours"):
+            entries = {path: v for path, _, v in rec[side]["steps"][i]["optim"]}
+            states[side] = entries
+        sharded = [k[: -len(".exp_avg")] for k in states["torch"] if k.endswith(".exp_avg")]
+        assert sharded
+        repeated = [k for k in sharded if first_difference(states["torch"][k + ".exp_avg"],
+                                                           states["torch"][k + ".exp_avg_sq"]) is None]
+        assert repeated, "torch no longer repeats exp_avg_sq as exp_avg: drop the known entry"
+        assert all(first_difference(states["ours"][k + ".exp_avg"], states["ours"][k + ".exp_avg_sq"]) is not None
+                   for k in repeated)

@@ -60,6 +60,38 @@ def _local_with_orig_params(program, d) -> bool:
     return d[0] in ("state", "state_types") and step is not None and step.get("type") == "LOCAL"
 
 
+def _step_index(program, where: str) -> int | None:
+    return int(where.split()[1]) if where.startswith("step ") else len(program.steps) if where == "final" else None
+
+
+def _full_offload_on_cpu(program, d) -> bool:
+    """torch raises at a FULL state dict with offload_to_cpu on a sharded run; ours returns it."""
+    if program.impl != "fsdp1" or program.world_size == 1 or program.options["sharding_strategy"] == "NO_SHARD":
+        return False
+    head = "ours raised nothing vs torch raised RuntimeError at step "
+    if d[0] != "error" or not d[2].startswith(head):
+        return False
+    i = d[2][len(head):].split(":")[0]
+    step = program.steps[int(i)] if i.isdigit() else {}
+    return step.get("op") == "state_dict" and step.get("type") == "FULL" and step.get("offload") \
+        and "setStorage" in d[2]
+
+
+def _orig_params_optim_offload(program, d) -> bool:
+    """torch's FULL optim_state_dict with use_orig_params repeats one state tensor for every state name (Adam's
+    exp_avg is its exp_avg_sq); ours is right, and a resume from each then differs from that step on."""
+    if program.impl != "fsdp1" or not program.options["use_orig_params"] or program.world_size == 1 \
+            or program.options["sharding_strategy"] == "NO_SHARD" or program.optimizer["name"] == "sgd":
+        return False
+    first = next((i for i, s in enumerate(program.steps) if s["op"] == "optim_state_dict"
+                  and not s["rank0_only"]), None)
+    i = _step_index(program, d[1])
+    if first is None or i is None or i < first:
+        return False
+    return d[0] == "optim" if i == first else any(s["op"] == "optim_state_dict" and s["load"]
+                                                   for s in program.steps[first:i])
+
+
 KNOWN: list[Known] = [
     Known("cpu_offload_refused_at_wrapping",
           "FSDP(cpu_offload=CPUOffload(offload_params=True)) on a machine without an accelerator: torch wraps, then "
@@ -78,6 +110,19 @@ KNOWN: list[Known] = [
           "_flat_param'; _state_dict_utils._local_pre_state_dict_hook leaves the original parameters registered). "
           "Ours returns only the flat parameters, as without use_orig_params, and loads them back.",
           _local_with_orig_params),
+    Known("full_state_dict_offload_on_cpu",
+          "FULL_STATE_DICT with FullStateDictConfig(offload_to_cpu=True) on a sharded CPU run: torch's values are "
+          "views of the unit's gathered flat parameter, which it frees on leaving the unshard ('tensor.cpu()' makes no "
+          "copy on the CPU; _state_dict_utils._full_post_state_dict_hook), so reading them raises 'setStorage ... out "
+          "of bounds for storage of size 0'. Ours copies (full_state_dict.py) and returns the full tensors.",
+          _full_offload_on_cpu),
+    Known("orig_params_optim_state_dict_repeats_a_state",
+          "FSDP.optim_state_dict with use_orig_params=True and Adam/AdamW (FullOptimStateDictConfig's default "
+          "offload_to_cpu=True): torch returns exp_avg equal to exp_avg_sq for every sharded parameter "
+          "(_optim_utils._allgather_orig_param_states reuses one gathered tensor for every state name and keeps "
+          "views of it; on the CPU '.cpu()' makes no copy), so a resume from it leaves torch's own continued run. "
+          "Ours returns each state as it is; a resume from ours equals the continued run.",
+          _orig_params_optim_offload),
 ]
 
 

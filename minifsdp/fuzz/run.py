@@ -240,16 +240,27 @@ def run_side(program: Program, side_name: str, ctx: RankContext) -> dict:
     return rec
 
 
-def run_programs(programs_json: list[str]) -> list[dict]:
+def run_programs(programs_json: list[str], sides: tuple = ("torch", "ours")) -> list[dict]:
     """Rank function: every program on both sides (torch first); this rank's differences for each.
 
-    Returns one dict per program: ``differences`` (``compare.differences``), ``summary`` (the losses)."""
+    Returns one dict per program run: ``differences`` (``compare.differences``), ``errors`` (each side's, on
+    this rank), ``losses``.  If a side broke the process group (a rank raised while the others waited in a
+    collective, so gloo closed the connections), the list ends with ``{"broken": side}`` for that program and
+    the rest are not run here: the caller runs that program one side per spawn, and the rest in a fresh spawn.
+    With one side, each dict holds that side's whole ``record``."""
     ctx, out = RankContext(), []
     # torch's and ours' warnings (NO_SHARD, state_dict_type, 1 rank) would print once per program per rank
     warnings.simplefilter("ignore")
     for text in programs_json:
         program = Program.from_json(text)
-        records = {name: run_side(program, name, ctx) for name in ("torch", "ours")}
+        records = {}
+        for name in sides:
+            records[name] = run_side(program, name, ctx)
+            if ctx.settle(records[name]["error"]):
+                return out + [{"broken": name, "record": records[name]}]
+        if len(sides) == 1:
+            out.append({"record": records[sides[0]]})
+            continue
         out.append({"differences": differences(records["ours"], records["torch"], [s["op"] for s in program.steps]),
                     "errors": {k: r["error"] for k, r in records.items()},
                     "losses": [s.get("loss") for s in records["torch"]["steps"]]})

@@ -15,10 +15,12 @@ because a new process group per program would cost seconds and leak.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -72,14 +74,19 @@ class RankContext:
     HYBRID at 4 ranks shards over {0, 1} and {2, 3} and replicates over {0, 2} and {1, 3}, as torch's
     intra-node / inter-node split would on two nodes of two GPUs."""
 
-    def __init__(self):
+    def __init__(self, collective_timeout_s: float = 30.0):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self._hybrid = self._mesh1 = self._mesh2 = None
+        # A program where one rank raises and the others wait in a collective must not wait long; and the two
+        # sides must never pair one side's collective with the other's: `settle` meets on a group of its own.
+        self.timeout = datetime.timedelta(seconds=collective_timeout_s)
+        self.sync = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=10 * collective_timeout_s))
+        _short_timeout(None, self.timeout)
 
     def hybrid_groups(self):
         if self._hybrid is None:
-            shard = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-            replicate = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            shard = [dist.new_group([0, 1], timeout=self.timeout), dist.new_group([2, 3], timeout=self.timeout)]
+            replicate = [dist.new_group([0, 2], timeout=self.timeout), dist.new_group([1, 3], timeout=self.timeout)]
             self._hybrid = (shard[self.rank // 2], replicate[self.rank % 2])
         return self._hybrid
 
@@ -87,10 +94,32 @@ class RankContext:
         if two_d:
             if self._mesh2 is None:
                 self._mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+                for i in range(2):
+                    _short_timeout(self._mesh2.get_group(i), self.timeout)
             return self._mesh2
         if self._mesh1 is None:
             self._mesh1 = init_device_mesh("cpu", (self.world,))
+            _short_timeout(self._mesh1.get_group(0), self.timeout)
         return self._mesh1
+
+    def settle(self, error) -> bool:
+        """Meet every rank after a side (on the sync group); True if some rank's error says the process group
+        broke (a gloo timeout or a closed connection: a rank raised while others waited in a collective)."""
+        broken = error is not None and any(w in error[2] for w in _BROKEN)
+        flags = [None] * self.world
+        dist.all_gather_object(flags, broken, group=self.sync)
+        return any(flags)
+
+
+# what gloo says when a collective's peer is gone or late: the group is unusable after it
+_BROKEN = ("gloo", "Connection closed", "Connection reset", "timed out", "Timed out", "timeout")
+
+
+def _short_timeout(group, timeout: datetime.timedelta) -> None:
+    """torch's private ``_set_pg_timeout`` where this torch has it (2.2 and later); else the group keeps its own."""
+    setter = getattr(c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
 
 
 def _mixed_precision_fsdp1(mp: dict | None):
