@@ -126,6 +126,18 @@ KNOWN: list[Known] = [
 ]
 
 
+# what a rank says when a peer it waits for in a collective raised instead (gloo times out, closes connections)
+_WAITED = ("Timed out waiting", "Connection closed", "Connection reset", "Application timeout")
+
+
 def explain(program, diffs: list) -> dict:
-    """{difference: the name of the known entry that explains it} for the differences some entry matches."""
-    return {d: k.name for d in diffs for k in KNOWN if k.matches(program, d)}
+    """{difference: the name of the known entry that explains it} for the differences some entry matches.
+
+    A rank's error that only says it waited for a peer in vain (a gloo timeout) follows from another rank's
+    error: it is explained by whatever explains an error of the same program on the same side."""
+    found = {d: k.name for d in diffs for k in KNOWN if k.matches(program, d)}
+    causes = [name for d, name in found.items() if d[0] == "error"]
+    for d in diffs:
+        if d not in found and d[0] == "error" and causes and any(w in d[2] for w in _WAITED):
+            found[d] = causes[0]
+    return found
