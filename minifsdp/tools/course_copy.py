@@ -13,7 +13,8 @@ with one commit that an instructor can push:
     tests/test_student_impl.py,             plug the instructor's 2.1a answer into FSDP
       tests/_workers_student.py
     tests/test_exercise_solutions.py,       check the answers and the lab themselves
-      tests/test_course_instructor.py
+      tests/test_course_instructor.py,
+      tests/test_student_edition.py
 
     rewritten
     a block that starts "Reference solution:" (or "**Reference solution:**") in exercises/: the sentence
@@ -64,6 +65,7 @@ INSTRUCTOR_ONLY = (
     "tests/_workers_student.py",
     "tests/test_exercise_solutions.py",
     "tests/test_course_instructor.py",
+    "tests/test_student_edition.py",
 )
 # they say where the instructor's answers would be, and work without them
 ALLOWED = ("tests/exercises/__init__.py", "tests/conftest.py", "tests/test_exercise_grading.py")
