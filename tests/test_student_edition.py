@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from minifsdp.tools.course import read_points
-from minifsdp.tools.course_cut import find_cuts, graded_bodies, surviving_answers
+from minifsdp.tools.course import CourseError, read_points
+from minifsdp.tools.course_cut import cut_source, find_cuts, graded_bodies, surviving_answers
 from minifsdp.tools.course_syllabus import GUIDE, schedule, syllabus
 from tests._student_edition import student_edition
 
@@ -132,3 +132,23 @@ def test_the_ring_task_asks_for_the_schedule_not_the_transcription():
     assert "r0 -a2-> r1" in readme  # the picture they read it from
     parallel = (ROOT / "exercises" / "README_parallel.md").read_text().split("## Task 4.4b")[1]
     assert "p - s - 1" not in parallel and "<details>" in parallel
+
+
+def test_a_cut_that_cannot_be_made_stops_the_copy(tmp_path):
+    """What course student-copy refuses to cut, each with what to fix: a public function no exercise has, a
+    region without its end, a missing argument without a default.  And what a good one writes."""
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "exercises" / "tasks.py").write_text(
+        'def f(x, group=None):\n    raise NotImplementedError("Task 9.9a: f -- see README")\n')
+    start = "# >>> student edition: cut; exercises/tasks.py runs here (task 9.9a)\n"
+    good = (f"import torch\n\n\n{start}def _helper(x):\n    return x\n\n\ndef f(x, op='sum', group=None):\n"
+            "    return _helper(x)\n# <<< student edition\n")
+    text, cuts = cut_source(tmp_path, "minifsdp/m.py", good)
+    assert [c.functions for c in cuts] == [(("_helper", None, None), ("f", "f", "9.9a"))]
+    assert "_helper" not in text and "learner_function(\"9.9a\", \"exercises.tasks\", \"f\"," in text
+    assert "yours takes no op=" in text and text.index("from minifsdp.learner") > text.index("import torch")
+    for bad, says in ((good.replace("def f(", "def g("), "has no g to run instead"),
+                      (good.replace("# <<< student edition\n", ""), "without its"),
+                      (good.replace("def f(x, op='sum',", "def f(x, op,"), "needs op")):
+        with pytest.raises(CourseError, match=says):
+            cut_source(tmp_path, "minifsdp/m.py", bad)

@@ -106,8 +106,9 @@ def _plan(root: Path, rel: str, text: str, tree: ast.Module, first: int, last: i
     inside = [n for n in tree.body if first < n.lineno < last]
     functions = []
     for node in inside:
-        if not isinstance(node, ast.FunctionDef) or (node.decorator_list and node.decorator_list[0].lineno <= first):
-            raise CourseError(f"{rel} line {node.lineno}: a student-edition cut holds functions only")
+        if not isinstance(node, ast.FunctionDef) or node.end_lineno >= last or \
+                (node.decorator_list and node.decorator_list[0].lineno <= first):
+            raise CourseError(f"{rel} line {node.lineno}: a student-edition cut holds whole functions only")
         name = ALIASES.get(node.name, node.name)
         if name in theirs:
             functions.append((node.name, name, _task_of(theirs[name], exercise)))
