@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from minifsdp.tools.course import grade, grade_submissions, read_points, score
-from minifsdp.tools.course_copy import student_copy
+from tests._student_edition import student_edition
 from tests.planted_faults.outcomes import SESSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,10 +57,8 @@ def test_the_repository_earns_every_point(request):
 
 @pytest.fixture(scope="module")
 def edition(tmp_path_factory):
-    """The student edition of this checkout, as a class would get it."""
-    where = tmp_path_factory.mktemp("course") / "student"
-    student_copy(ROOT, where)
-    return where
+    """The student edition of this checkout, as a class would get it (built once per session)."""
+    return student_edition(tmp_path_factory)
 
 
 @pytest.mark.timeout(900)

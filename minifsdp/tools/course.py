@@ -4,10 +4,11 @@
                                      run the graded tests, print points per task (the learner's code by default)
     course grade --submissions DIR [--csv FILE]
                                      grade every student copy in DIR with *this* repository's tests: one CSV
-    course grade --task bug [--seed S] --dir DIR [--answer FILE:FUNCTION]
-                                     the find-the-bug lab (``course_bug.py``)
+    course grade --task bug --dir DIR --key KEY [--student NAME] [--answer FILE:FUNCTION]
+                                     the find-the-bug lab, graded from the instructor's key (``course_bug.py``)
     course student-copy DIR          the student edition (``course_copy.py``)
-    course bug DIR --seed S          a copy of minifsdp with one planted fault (``course_bug.py``)
+    course bug --roster CSV DIR      one find-the-bug lab per student and the key (``course_bug.py``);
+    course bug DIR --seed S          or one lab
 
 What is graded, and for how many points:
 
@@ -257,7 +258,7 @@ def _overlay(root: Path, submission: Path, where: Path) -> Path:
 
 
 def grade_submissions(root: Path, folder: Path, csv_path: Path | None,
-                      only: list[str] | None = None) -> tuple[Path, dict[str, list[dict]]]:
+                      only: list[str] | None = None, key: Path | None = None) -> tuple[Path, dict[str, list[dict]]]:
     """Grade every student copy in ``folder`` (one sub-folder each) into one CSV: (its path, results by student).
     A copy's ``bug/`` folder, if it holds a lab ``course bug`` wrote, is graded too."""
     from minifsdp.tools.course_bug import grade_bug, has_bug_lab
@@ -275,7 +276,11 @@ def grade_submissions(root: Path, folder: Path, csv_path: Path | None,
             except CourseError as e:
                 results = [{"task": r.task, "points": 0, "possible": r.points, "failed": str(e)} for r in rows]
         if has_bug_lab(sub / "bug") and (only is None or "bug" in only):
-            results.append(grade_bug(root, sub / "bug"))
+            try:
+                results.append(grade_bug(root, sub / "bug", key=key, student=sub.name))
+            except CourseError as e:  # graded from the key; without it the row says so, the others go on
+                possible = next((r.points for r in read_points(root) if r.task == "bug"), 0)
+                results.append({"task": "bug", "points": 0, "possible": possible, "failed": str(e)})
         table_rows.append((sub.name, results))
         earned = sum(r["points"] for r in results)
         print(f"{sub.name}: {earned} / {sum(r['possible'] for r in results)}", flush=True)
@@ -308,15 +313,20 @@ def add_arguments(p) -> None:
                    help="the learner's code in exercises/ (default) or the instructor's answers")
     g.add_argument("--submissions", type=Path, default=None, help="a folder of student copies, one per sub-folder")
     g.add_argument("--csv", type=Path, default=None, help="--submissions: where to write (default DIR/grades.csv)")
-    g.add_argument("--seed", type=int, default=None, help="--task bug: the lab's seed (default: read from --dir)")
+    g.add_argument("--key", type=Path, default=None, help="--task bug, --submissions: the key `course bug` wrote")
+    g.add_argument("--student", default=None, help="--task bug: whose lab --dir is (default: its folder's name)")
+    g.add_argument("--seed", type=int, default=None, help="--task bug: the lab's seed, instead of --key")
     g.add_argument("--dir", type=Path, default=None, help="--task bug: the folder `course bug` wrote")
     g.add_argument("--answer", default=None,
                    help="--task bug: the fixed place as FILE:FUNCTION (default: read DIR/ANSWER.txt)")
     c = sub.add_parser("student-copy", help="write the student edition: no answers, a fresh git repository")
     c.add_argument("dir", type=Path)
-    b = sub.add_parser("bug", help="the find-the-bug lab: a copy of minifsdp with one planted fault")
+    b = sub.add_parser("bug", help="the find-the-bug lab: one per student (--roster) or one (--seed), and the key")
     b.add_argument("dir", type=Path)
-    b.add_argument("--seed", type=int, required=True)
+    b.add_argument("--roster", type=Path, default=None, help="a CSV of students: one lab each in DIR/<student>/")
+    b.add_argument("--seed", type=int, default=None, help="one lab's seed; with --roster, which faults (default 0)")
+    b.add_argument("--key", type=Path, default=None, help="one lab: where to write its key (default DIR-key.json)")
+    b.add_argument("--shared-faults", action="store_true", help="--roster: more students than faults is allowed")
 
 
 def run_course(args) -> int:
@@ -336,13 +346,18 @@ def _run(args) -> int:
         print(student_copy(root, args.dir))
         return 0
     if args.course_command == "bug":
-        from minifsdp.tools.course_bug import write_bug_lab
+        from minifsdp.tools.course_bug import check_seed, write_bug_lab, write_roster_labs
 
-        print(write_bug_lab(root, args.dir, args.seed))
+        if args.roster is not None:
+            print(write_roster_labs(root, args.roster, args.dir, check_seed(args.seed or 0), args.shared_faults))
+        elif args.seed is None:
+            raise CourseError("course bug DIR needs --seed S (one lab) or --roster students.csv (one per student)")
+        else:
+            print(write_bug_lab(root, args.dir, check_seed(args.seed), args.key))
         return 0
     only = [t.strip() for t in args.task.split(",") if t.strip()] if args.task else None
     if args.submissions is not None:
-        print(f"wrote {grade_submissions(root, args.submissions, args.csv, only)[0]}")
+        print(f"wrote {grade_submissions(root, args.submissions, args.csv, only, args.key)[0]}")
         return 0
     results = []
     if only and "bug" in only:
@@ -351,7 +366,8 @@ def _run(args) -> int:
         if args.dir is None:
             raise CourseError("--task bug grades the folder `course bug` wrote: give it with --dir DIR")
         _graded_rows(root, ["bug"])  # its row must be in points.csv
-        results.append(grade_bug(root, args.dir, seed=args.seed, answer=args.answer))
+        results.append(grade_bug(root, args.dir, seed=args.seed, answer=args.answer, key=args.key,
+                                 student=args.student))
         only = [t for t in only if t != "bug"] or None
         if only is None:
             print(as_json(results) if args.json else table(results))
