@@ -195,12 +195,6 @@ class FullyShardedDataParallel(Unit):
         if mp is not None and mp.cast_forward_inputs and h is not None:
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         self._extensions.before_forward(self, args, kwargs)
-        if self.is_root and self.training_state is not TrainingState.AWAITING_BACKWARD:
-            # Full parameters kept since their gather (the root's; SHARD_GRAD_OP's under no_sync) are used
-            # again, unless an optimizer step changed their shard since: then they are stale, gather again.
-            for unit in self._root_step.units:
-                if unit._handle is not None and unit._handle.stale():
-                    unit._handle.reshard()
         # a unit that has started to require grad since wrapping
         self._register_post_backward_hook()
         self.training_state = TrainingState.FORWARD
