@@ -103,7 +103,8 @@ def _summoned(unit, writeback: bool, shown: bool):
         with full_precision(h) if h is not None else contextlib.nullcontext():  # fp32, never a low-precision copy
             if h is not None:
                 unit._extensions.before_unshard(unit, False)
-                h.unshard()
+                h.start_unshard()
+                h.wait_unshard()
                 if shown:
                     show_full_params(h)
                     unit._extensions.after_unshard(unit)
