@@ -223,11 +223,11 @@ class FullyShardedDataParallel(Unit):
         if torch.is_grad_enabled():
             if self.is_root:  # (torch: a backward that died before its callback ran leaves no flag set)
                 self._root_step.final_callback_queued = False
-            tensors = []
-            _apply_to_tensors(lambda t: (t.requires_grad and tensors.append(t)) or t, out)
-            for t in tensors:
-                t.register_hook(self._pre_backward_hook)
-            if tensors:
+            hooked = []  # flags, never the tensors: torch's walk is a closure that calls itself, a cycle only the
+            # garbage collector frees, so a list of outputs it filled would outlive the backward (2 KB in the MLP)
+            _apply_to_tensors(lambda t: (t.requires_grad and hooked.append(t.register_hook(self._pre_backward_hook)
+                                                                             is not None)) or t, out)
+            if hooked:
                 self.training_state = TrainingState.AWAITING_BACKWARD
 
     # ================================================================== 2. backward
