@@ -123,7 +123,7 @@ class TorchExtension(Extension):
             adopt_dtype(h)  # model.half() before it: gather (and compute) in the new dtype
 
     def after_forward(self, unit, output) -> None:
-        grads = []  # whether each output tensor needs a gradient, in the core's walk (flags: see its pre-backward hooks)
+        grads = []  # whether each output tensor needs a gradient, in the core's walk (flags: see its hooks)
         _apply_to_tensors(lambda t: grads.append(t.requires_grad) or t, output)
         if unit.is_root and torch.is_grad_enabled() and any(grads):
             self.versions_at_forward = _shard_versions(unit._root_step.units)
