@@ -45,7 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.fsdp.core.flat_param import overlap
-from minifsdp.fsdp.core.units import clean_name, units_with_params
+from minifsdp.fsdp.core.units import units_with_params
+from minifsdp.fsdp.full_state_dict import plain_name
 
 __all__ = ["Piece", "Holder", "PieceRow", "PieceTable", "piece_table", "holders", "module_names", "key_of"]
 
@@ -54,8 +55,9 @@ def module_names(model: nn.Module) -> dict[int, str]:
     """``id(module) -> its plain name`` for every module of ``model`` (the first name, if shared)."""
     names: dict[int, str] = {}
     for n, m in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(m), clean_name(n))
+        names.setdefault(id(m), plain_name(n))
     return names
+
 
 
 def key_of(names: dict[int, str], module: nn.Module, attr: str) -> str:
@@ -196,9 +198,9 @@ def piece_table(model: nn.Module, optimizer=None) -> PieceTable:
             if b is not None and b_name not in mod._non_persistent_buffers_set:
                 buffers[key_of(names, mod, b_name)] = b
     for name, p in model.named_parameters():  # the holders of the parameters FSDP leaves alone, whole
-        shapes.setdefault(clean_name(name), p.shape)
+        shapes.setdefault(plain_name(name), p.shape)
         if id(p) not in managed:
-            fqn, n = clean_name(name), p.numel()
+            fqn, n = plain_name(name), p.numel()
             piece = Piece(fqn, 0, n, 0, n)
             rows.append(PieceRow(fqn, -1, 0, tuple(p.shape), 0, n, 0, n, len(all_holders), tuple(state.get(p, {}))))
             all_holders.append(Holder(p, [piece], True))
