@@ -150,8 +150,10 @@ class FullyShardedDataParallel(Unit):
     # ================================================================== 1. forward
     # torch: FullyShardedDataParallel.forward: _root_pre_forward, _pre_forward, the module, _post_forward.
     def forward(self, *args, **kwargs):
-        if self.training_state is TrainingState.PRE_BACKWARD:  # a checkpoint recomputing it inside its backward:
-            return self._fsdp_wrapped_module(*args, **kwargs)  # gathered already, no hooks (torch's _pre_forward)
+        # a checkpoint recomputing it inside its backward (autograd's task id is -1 outside one: not a backward
+        # that died in PRE_BACKWARD): gathered already, no hooks, as torch's _pre_forward and _post_forward
+        if self.training_state is TrainingState.PRE_BACKWARD and torch._C._current_graph_task_id() != -1:
+            return self._fsdp_wrapped_module(*args, **kwargs)
         # a second forward before the backward
         again = self.training_state is TrainingState.AWAITING_BACKWARD
         args, kwargs = self._pre_forward(args, kwargs)
