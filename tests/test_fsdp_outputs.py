@@ -23,6 +23,7 @@ import torch
 
 from minifsdp import spawn
 from tests import _workers_outputs as W
+from tests._selection import module_name
 from tests._workers_fsdp import assert_bitwise
 
 _CASES_OF = {  # test -> the cases it reads, from its parameters
@@ -48,7 +49,7 @@ def runs(request):
     wanted = set()
     for item in request.session.items:
         read = _CASES_OF.get(getattr(item, "originalname", None))
-        if read is not None and item.module.__name__ == __name__:
+        if read is not None and module_name(item) == __name__:
             params = getattr(getattr(item, "callspec", None), "params", {})
             wanted |= {(params.get("world", 2), case) for case in read(params)}
     out = {}

@@ -26,6 +26,7 @@ import pytest
 
 from minifsdp import spawn
 from tests import _workers_regimes_torch as W
+from tests._selection import module_name
 from tests._workers_fsdp import assert_bitwise
 
 _REGIME_OF = {"test_collective_order_in_each_step_is_torch_s": "order",
@@ -39,7 +40,7 @@ def regimes(request):
     only = set()
     for item in request.session.items:
         regime = _REGIME_OF.get(getattr(item, "originalname", None))
-        if regime is not None and item.module.__name__ == __name__:
+        if regime is not None and module_name(item) == __name__:
             case = item.callspec.params["item" if regime == "load" else "case"]
             only.add((regime, tuple(case[:-1]) if regime == "load" else case))
     results = spawn(W.all_regimes, (tuple(W.REGIMES), only), world_size=2, timeout_s=300)

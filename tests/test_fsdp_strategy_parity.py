@@ -18,6 +18,7 @@ import torch
 
 from minifsdp import spawn
 from tests import _workers_strategy_parity as W
+from tests._selection import module_name
 from tests._workers_fsdp import assert_bitwise
 
 WORLD = 4
@@ -36,7 +37,7 @@ _CASE_OF = {"test_no_shard_use_orig_params_pads_the_flat_parameter_as_torch": "f
 def ranks(request):
     """Every case this session selected, in one 4-rank spawn (a test run alone runs its case only)."""
     names = {_CASE_OF[item.originalname] for item in request.session.items
-             if item.module.__name__ == __name__ and getattr(item, "originalname", None) in _CASE_OF}
+             if module_name(item) == __name__ and getattr(item, "originalname", None) in _CASE_OF}
     results = spawn(W.all_cases, (tuple(n for n in W.CASES if n in names),), world_size=WORLD, timeout_s=600)
     assert len(results) == WORLD
     for rank, r in enumerate(results):

@@ -27,6 +27,7 @@ from minifsdp.fuzz.program import block_paths
 from minifsdp.fuzz.script import to_script
 from minifsdp.fuzz.shrink import simplifications
 from minifsdp.fuzz.trees import KINDS, RETURNS, build_model
+from tests._selection import module_name
 from tests._workers_fuzz import both_sides
 
 # CI's fixed seeds; `python -m minifsdp fuzz` campaigns use others (chapters/results/fuzz_campaign.md)
@@ -38,7 +39,7 @@ CASES = [(impl, seed) for impl, seeds in CI_SEEDS.items() for seed in seeds]
 def outcomes(request):
     """The selected CI programs, run in a few spawns (a test run alone, as a planted fault runs it, runs one)."""
     chosen = {item.callspec.params["case"] for item in request.session.items
-              if item.module.__name__ == __name__ and getattr(item, "originalname", "") == "test_program_equals_torch"}
+              if module_name(item) == __name__ and getattr(item, "originalname", "") == "test_program_equals_torch"}
     by_key = collections.defaultdict(list)
     for impl, seed in sorted(chosen):
         program = draw(seed, impl)
@@ -267,3 +268,28 @@ def test_pinned_orig_params_optim_state_torch_repeats_exp_avg_sq_ours_resumes(pi
         assert repeated, "torch no longer repeats exp_avg_sq as exp_avg: drop the known entry"
         assert all(first_difference(states["ours"][k + ".exp_avg"], states["ours"][k + ".exp_avg_sq"]) is not None
                    for k in repeated)
+
+
+# ---------------------------------------------------------------------- the command
+def test_the_command_refuses_bad_counts_with_the_flag_named(capsys):
+    from minifsdp.tools.cli import main
+
+    for argv, flag in ((["--cases", "0"], "--cases"), (["--seed", "-3"], "--seed"), (["--batch", "x"], "--batch")):
+        with pytest.raises(SystemExit):
+            main(["fuzz", *argv])
+        err = capsys.readouterr().err
+        assert flag in err and "whole number" in err, err
+
+
+def test_the_command_records_a_campaign(tmp_path, capsys):
+    """One program end to end through ``python -m minifsdp fuzz``: its verdict line and its JSON record."""
+    import json
+
+    from minifsdp.tools.cli import main
+
+    record = tmp_path / "fuzz.json"
+    assert main(["fuzz", "--cases", "1", "--seed", "3", "--impl", "fsdp2", "--record", str(record)]) == 0
+    assert "1 programs (fsdp2, seeds 3-3)" in capsys.readouterr().out
+    saved = json.loads(record.read_text())
+    assert saved["programs"] == 1 and saved["equal"] + len(saved["explained"]) == 1 and not saved["unexplained"]
+    assert saved["torch"] == torch.__version__ and saved["by_world_size"] == {str(draw(3, "fsdp2").world_size): 1}

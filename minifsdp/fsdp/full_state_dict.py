@@ -23,10 +23,11 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units_with_params
+from minifsdp.fsdp.core.units import flattened_params, is_unit, units_with_params
 from minifsdp.fsdp.full_params import shows_full_params, summon_full_params
+from minifsdp.fsdp.param_pieces import state_dict_name
 
-__all__ = ["full_state_dict", "load_full_state_dict_into_shards", "buffer_dtype_of", "plain_name"]
+__all__ = ["full_state_dict", "load_full_state_dict_into_shards", "buffer_dtype_of"]
 
 
 def buffer_dtype_of(root: nn.Module, module: nn.Module, name: str, buffer: torch.Tensor) -> torch.dtype:
@@ -55,14 +56,6 @@ def _param_names(m: nn.Module, flattened: dict[int, list[str]], flat_ids: set[in
 
 def _persistent_buffers(m: nn.Module) -> list[str]:
     return [n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
-
-
-def plain_name(name: str) -> str:
-    """The key a state dict gives ``name``: FSDP's prefix dropped, and that of torch's ``checkpoint_wrapper``
-    too (its own state-dict hooks drop it; torch FSDP1's ``clean_tensor_name`` in ``_common_utils.py``), so a
-    model checkpointed with torch's wrapper saves and loads the plain model's keys.  (Inside
-    ``summon_full_params``, ``named_parameters()`` drops FSDP's prefix only, as torch's: ``clean_name``.)"""
-    return ".".join(p for p in clean_name(name).split(".") if p != "_checkpoint_wrapped_module")
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None) -> "OrderedDict[str, torch.Tensor]":
@@ -94,10 +87,10 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None)
                 else:  # gathered ones are freed after: copied
                     full = p.detach().clone()
                     clones[id(p)] = (p, transform(full) if transform is not None else full)
-            out[plain_name(prefix + name)] = clones[id(p)][1]
+            out[state_dict_name(prefix + name)] = clones[id(p)][1]
         for name in _persistent_buffers(m) if id(m) not in no_buffers else []:  # in its dtype before
             b = m._buffers[name]  # buffer_dtype's cast, as torch
-            out[plain_name(prefix + name)] = b.detach().to(buffer_dtype_of(module, m, name, b))
+            out[state_dict_name(prefix + name)] = b.detach().to(buffer_dtype_of(module, m, name, b))
 
     with torch.no_grad():
         _walk(module, visit, gather=True, rank0_only=rank0_only)
@@ -111,8 +104,8 @@ def load_full_state_dict_into_shards(module: nn.Module, state_dict) -> None:
 
     def load(m, prefix):
         for name in _param_names(m, {}, flat_ids) + _persistent_buffers(m):
-            if plain_name(prefix + name) in state_dict:
-                getattr(m, name).copy_(state_dict[plain_name(prefix + name)])
+            if state_dict_name(prefix + name) in state_dict:
+                getattr(m, name).copy_(state_dict[state_dict_name(prefix + name)])
 
     with torch.no_grad():
         _walk(module, load, gather=True, writeback=True)

@@ -114,6 +114,13 @@ def _piece(h, slot, lo: int, hi: int) -> torch.Tensor:
     return piece if h.sharded else piece.view(slot.shape)
 
 
+def local_pieces(h) -> list[tuple[int, int]]:
+    """For each slot of handle ``h``, the [lo, hi) of this rank's ``flat_param`` it covers."""
+    if h.sharded:
+        return h.layout.local_pieces(h.rank)
+    return [(s.offset, s.offset + s.numel) for s in h.layout.slots]
+
+
 def _keeps_views_after_forward(unit) -> bool:
     """As torch: a unit that keeps its full parameters after the forward (SHARD_GRAD_OP) with autograd on
     keeps the forward's views too, so ``p.shape`` is the full shape until the backward."""
@@ -154,7 +161,7 @@ class OrigParams(Extension):
                 slot.param = original
         for slot in h.layout.slots + h.layout.shared:
             clear_tensor_attr(slot.module, slot.name)
-        for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces()):
+        for slot, (lo, hi) in zip(h.layout.slots, local_pieces(h)):
             slot.param.data = _piece(h, slot, lo, hi)
             slot.module._parameters[slot.name] = slot.param
         for sh in h.layout.shared:
@@ -226,7 +233,7 @@ class OrigParams(Extension):
                         "parameters after the backward, or use FULL_SHARD, which reshards after the forward.")
             return
         flat = h.flat_param
-        for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces(), strict=True):
+        for slot, (lo, hi) in zip(h.layout.slots, local_pieces(h), strict=True):
             now = slot.module._parameters.get(slot.name)
             if hi <= lo or now is None:
                 continue  # none of it on this rank, or deregistered for now (activation checkpointing)
@@ -254,7 +261,7 @@ class OrigParams(Extension):
             return
         if h.flat_param.grad is None:
             return
-        for slot, (lo, hi) in zip(h.layout.slots, h.local_pieces()):
+        for slot, (lo, hi) in zip(h.layout.slots, local_pieces(h)):
             # as torch: no gradient where this rank holds none of the parameter, nor for one frozen now
             if slot.param.requires_grad and hi > lo:
                 set_grad(slot.param, h.flat_param.grad[lo:hi].view(slot.param.shape))
@@ -303,7 +310,7 @@ def show_full_grads(h) -> tuple | None:
         return None
     before = [s.param.grad for s in h.layout.slots]
     local = torch.zeros(h.layout.shard_numel, dtype=h.flat_param.dtype, device=h.flat_param.device)
-    for (lo, hi), g in zip(h.local_pieces(), before, strict=True):
+    for (lo, hi), g in zip(local_pieces(h), before, strict=True):
         if g is not None and hi > lo:
             local[lo:hi] = g.reshape(-1)
     has = torch.tensor([float(any(g is not None for g in before))], device=local.device)
@@ -324,7 +331,7 @@ def restore_grads(h, saved: tuple | None, writeback: bool) -> None:
         return
     before, full = saved
     start = h.layout.shard_range(h.rank)[0]
-    for slot, g, (lo, hi) in zip(h.layout.slots, before, h.local_pieces(), strict=True):
+    for slot, g, (lo, hi) in zip(h.layout.slots, before, local_pieces(h), strict=True):
         if writeback and full is not None and g is not None and hi > lo:
             g.view(-1).copy_(full[start + lo:start + hi])
         slot.param.grad = g

@@ -123,9 +123,9 @@ class TorchExtension(Extension):
             adopt_dtype(h)  # model.half() before it: gather (and compute) in the new dtype
 
     def after_forward(self, unit, output) -> None:
-        found = []  # the output's tensors as the core's pre-backward hooks find them (torch FSDP1's walk)
-        _apply_to_tensors(lambda t: found.append(t) or t, output)
-        if unit.is_root and torch.is_grad_enabled() and any(t.requires_grad for t in found):
+        grads = []  # whether each output tensor needs a gradient, in the core's walk (flags: see its pre-backward hooks)
+        _apply_to_tensors(lambda t: grads.append(t.requires_grad) or t, output)
+        if unit.is_root and torch.is_grad_enabled() and any(grads):
             self.versions_at_forward = _shard_versions(unit._root_step.units)
 
     def after_backward(self, unit) -> None:

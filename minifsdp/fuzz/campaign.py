@@ -64,10 +64,10 @@ def run_batch(programs: list[Program], timeout_s: float | None = None) -> list[O
     timeout_s = timeout_s or 60.0 + 20.0 * len(programs)
     try:
         results = spawn(run_programs, ([p.to_json() for p in programs],), world_size=world, timeout_s=timeout_s)
-    except RankFailedError as e:
+    except RankFailedError:
         if len(programs) > 1:
             return [o for p in programs for o in run_batch([p])]
-        return [_crashed(programs[0], e)]
+        return [_sides_apart(programs[0])]  # which side took the ranks down
     outcomes = []
     for i in range(min(len(r) for r in results)):
         if any("broken" in results[r][i] for r in range(world)):  # this program broke the group: apart
@@ -92,9 +92,11 @@ def _sides_apart(program: Program) -> Outcome:
         try:
             per_rank = spawn(run_programs, ([program.to_json()], (side,)), world_size=program.world_size,
                              timeout_s=120.0)
-        except RankFailedError as e:
-            return _crashed(program, e)
-        records[side] = [r[0]["record"] for r in per_rank]
+            records[side] = [r[0]["record"] for r in per_rank]
+        except RankFailedError as e:  # a rank died (a signal): the side "raised" a crash at a step unknown
+            line = next((x for x in reversed(str(e).splitlines()) if x.strip()), str(e))[:300]
+            crashed = {"wrapped": None, "steps": [], "final": None, "error": (None, "crash", line)}
+            records[side] = [crashed] * program.world_size
     ops = [s["op"] for s in program.steps]
     diffs = _merge([{"differences": differences(o, t, ops)} for o, t in zip(records["ours"], records["torch"])])
     errors = {side: records[side][0]["error"] for side in records}

@@ -12,10 +12,13 @@ The exit status is 1 while any difference is unexplained, so a script or CI can 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import pathlib
 import sys
 import time
+
+import torch
 
 from minifsdp.fuzz.campaign import campaign
 from minifsdp.fuzz.script import to_script
@@ -56,8 +59,9 @@ def _line(outcome) -> str:
     return f"{n} difference{'s' * (n > 1)}  {d[0]} at {d[1]}: {d[2][:110]}"
 
 
-def fuzz_command(args, out=sys.stdout) -> int:
+def fuzz_command(args, out=None) -> int:
     """Run the campaign ``args`` describes; print progress and a verdict; 1 if anything is unexplained."""
+    out = sys.stdout if out is None else out  # read at call time: a test may have swapped it
     seeds = range(args.seed, args.seed + args.cases)
     every = max(1, args.cases // 10)
 
@@ -86,13 +90,24 @@ def fuzz_command(args, out=sys.stdout) -> int:
             print(f"seed {o.program.seed} shrunk to: {small.summary()}\n  -> {path}", file=out, flush=True)
     if args.record:
         pathlib.Path(args.record).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.record).write_text(json.dumps({
-            "impl": args.impl, "seeds": [args.seed, args.seed + args.cases - 1], "programs": len(outcomes),
-            "equal": equal, "explained": {o.program.seed: sorted(set(o.explained.values())) for o in explained},
-            "unexplained": {o.program.seed: [list(d) for d in o.unexplained] or [["crash", "", o.crash]]
-                            for o in bad},
-            "seconds": round(time.time() - start)}, indent=1))
+        pathlib.Path(args.record).write_text(json.dumps(_record(args, outcomes, equal, explained, bad, start),
+                                                        indent=1))
     print(f"{len(outcomes)} programs ({args.impl}, seeds {seeds[0]}-{seeds[-1]}) in {time.time() - start:.0f} s: "
           f"{equal} equal to torch, {len(explained)} explained (torch is wrong: minifsdp/fuzz/known.py), "
           f"{len(bad)} unexplained" + (f" -> {', '.join(written)}" if written else ""), file=out, flush=True)
     return 1 if bad else 0
+
+
+def _record(args, outcomes, equal: int, explained: list, bad: list, start: float) -> dict:
+    """What a campaign's JSON keeps: the verdicts, and how many programs ran to their end on both sides (a fuzzer
+    whose programs all raise compares nothing), with the exceptions both sides raised alike, by type."""
+    both_raised = collections.Counter(f"{o.errors['torch'][1]}: {o.errors['torch'][2][:70]}" for o in outcomes
+                                      if o.errors.get("torch") and o.errors.get("ours"))
+    return {"impl": args.impl, "seeds": [args.seed, args.seed + args.cases - 1], "programs": len(outcomes),
+            "equal": equal, "explained": {o.program.seed: sorted(set(o.explained.values())) for o in explained},
+            "unexplained": {o.program.seed: [list(d) for d in o.unexplained] or [["crash", "", o.crash]]
+                            for o in bad},
+            "ran_every_step_on_both": sum(1 for o in outcomes if not any(o.errors.values())),
+            "both_raised": dict(both_raised.most_common()),
+            "by_world_size": dict(collections.Counter(str(o.program.world_size) for o in outcomes)),
+            "torch": torch.__version__, "seconds": round(time.time() - start)}

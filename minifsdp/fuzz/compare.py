@@ -124,4 +124,5 @@ def _error_line(error) -> str:
     if error is None:
         return "raised nothing"
     step, kind, message = error
-    return f"raised {kind} at {'wrapping' if step == -1 else f'step {step}'}: {message}"
+    where = "wrapping" if step == -1 else "a step unknown" if step is None else f"step {step}"
+    return f"raised {kind} at {where}: {message}"

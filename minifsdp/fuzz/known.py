@@ -68,6 +68,10 @@ def _full_offload_on_cpu(program, d) -> bool:
     """torch raises at a FULL state dict with offload_to_cpu on a sharded run; ours returns it."""
     if program.impl != "fsdp1" or program.world_size == 1 or program.options["sharding_strategy"] == "NO_SHARD":
         return False
+    full_offload = any(s["op"] == "state_dict" and s["type"] == "FULL" and s["offload"] for s in program.steps)
+    if d[0] == "error" and d[2].startswith("ours raised nothing vs torch raised crash at a step unknown") \
+            and "SIGSEGV" in d[2]:  # a load_state_dict copying from the freed storage dies in C++
+        return full_offload
     head = "ours raised nothing vs torch raised RuntimeError at step "
     if d[0] != "error" or not d[2].startswith(head):
         return False
@@ -83,8 +87,7 @@ def _orig_params_optim_offload(program, d) -> bool:
     if program.impl != "fsdp1" or not program.options["use_orig_params"] or program.world_size == 1 \
             or program.options["sharding_strategy"] == "NO_SHARD" or program.optimizer["name"] == "sgd":
         return False
-    first = next((i for i, s in enumerate(program.steps) if s["op"] == "optim_state_dict"
-                  and not s["rank0_only"]), None)
+    first = next((i for i, s in enumerate(program.steps) if s["op"] == "optim_state_dict"), None)
     i = _step_index(program, d[1])
     if first is None or i is None or i < first:
         return False
@@ -133,11 +136,13 @@ _WAITED = ("Timed out waiting", "Connection closed", "Connection reset", "Applic
 def explain(program, diffs: list) -> dict:
     """{difference: the name of the known entry that explains it} for the differences some entry matches.
 
-    A rank's error that only says it waited for a peer in vain (a gloo timeout) follows from another rank's
-    error: it is explained by whatever explains an error of the same program on the same side."""
+    A rank's error that only says it waited for a peer in vain (a gloo timeout), and a side with nothing wrapped
+    (it died first), follow from an error of the same program: whatever explains that error explains them."""
     found = {d: k.name for d in diffs for k in KNOWN if k.matches(program, d)}
     causes = [name for d, name in found.items() if d[0] == "error"]
     for d in diffs:
-        if d not in found and d[0] == "error" and causes and any(w in d[2] for w in _WAITED):
+        waited = d[0] == "error" and any(w in d[2] for w in _WAITED)
+        never_wrapped = d[0] == "wrapped" and "NoneType None" in d[2]  # that side died before it wrapped
+        if d not in found and causes and (waited or never_wrapped):
             found[d] = causes[0]
     return found

@@ -52,7 +52,8 @@ def _wrap_lines(p: Program) -> list[str]:
         if o["cpu_offload"]:
             kw += ", offload_policy=CPUOffloadPolicy(pin_memory=False)"
         if o.get("placement") == "shard1":
-            kw += ", shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None"
+            n = 2 if o["mesh"] == "2d" else p.world_size
+            kw += f", shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % {n} == 0 else None"
         lines = [f"    kw = dict({kw})"]
         if o.get("ac"):
             lines.append(f"    checkpoint_blocks(model, {o['ac']!r})  # apply_activation_checkpointing on each Block")

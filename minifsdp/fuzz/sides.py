@@ -193,8 +193,9 @@ def wrap_fsdp2(program: Program, side: Side, model: nn.Module, ctx: RankContext)
                                                    cast_forward_inputs=mp["cast_forward_inputs"])
     if o["cpu_offload"]:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-    if o.get("placement") == "shard1":  # a Linear's weight sharded by columns, every other parameter by rows
-        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 else None
+    if o.get("placement") == "shard1":  # a Linear's weight by columns where they divide evenly (torch's rule)
+        n = kwargs["mesh"].size(-1)
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % n == 0 else None
     if o.get("ac"):  # torchtitan's order for FSDP2: checkpoint the blocks first, then shard them
         checkpoint_blocks(model, o["ac"])
     units = [model.get_submodule(p) for p in program.wrap["manual"] if p in block_paths(program.model)]

@@ -106,14 +106,12 @@ class FullyShardedDataParallel(Unit):
         plan = ShardingPlan.of(sharding_strategy)
         self.groups = resolve_groups(plan, process_group)
         self.plan = plan = plan.on(self.groups)
-        # (torch's attribute)
-        self.sharding_strategy = plan.strategy
+        self.sharding_strategy = plan.strategy  # (torch's attribute)
         # minifsdp.comm: ours or torch.distributed's, one interface
         self.comm = get_collectives(collectives)
         self.mixed_precision, self.limit_all_gathers = mixed_precision, limit_all_gathers
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
-        self._extensions = Extensions(extensions)
-        self.training_state = TrainingState.IDLE
+        self._extensions, self.training_state = Extensions(extensions), TrainingState.IDLE
         if auto_wrap_policy is not None:  # children first (post-order): each takes its parameters before we do
             kwargs = dict(process_group=process_group, sharding_strategy=plan.strategy, collectives=collectives,
                           backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
@@ -124,10 +122,8 @@ class FullyShardedDataParallel(Unit):
         if self._handle is not None:
             # wrapped: the parameters are sharded, as after every reshard
             self._extensions.after_reshard(self)
-        # set at the first forward (_lazy_init)
-        self._root: FullyShardedDataParallel | None = None
-        # the root's only
-        self._root_step: RootStep | None = None
+        # set at the first forward (_lazy_init): the root unit; on the root only, its RootStep
+        self._root, self._root_step = None, None
         # False inside no_sync(); the hook on the handle's gradient leaf (or its node), once the leaf requires grad:
         self._sync_gradients, self._post_backward_handle = True, None
         self._register_post_backward_hook()
@@ -171,8 +167,7 @@ class FullyShardedDataParallel(Unit):
         self._root_step = step
         for unit in step.units:
             if unit._handle is not None:
-                # its module path, for messages and timelines
-                unit._handle.name = names[id(unit)]
+                unit._handle.name = names[id(unit)]  # its module path, for messages and timelines
             if unit is not self and unit.is_root:
                 raise RuntimeError("a nested FSDP unit ran forward on its own before its parent; "
                                    "call the outermost FSDP module")
@@ -199,12 +194,6 @@ class FullyShardedDataParallel(Unit):
         if mp is not None and mp.cast_forward_inputs and h is not None:
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         self._extensions.before_forward(self, args, kwargs)
-        if self.is_root and self.training_state is not TrainingState.AWAITING_BACKWARD:
-            # Full parameters kept since their gather (the root's; SHARD_GRAD_OP's under no_sync) are used
-            # again, unless an optimizer step changed their shard since: then they are stale, gather again.
-            for unit in self._root_step.units:
-                if unit._handle is not None and unit._handle.stale():
-                    unit._handle.reshard()
         # a unit that has started to require grad since wrapping
         self._register_post_backward_hook()
         self.training_state = TrainingState.FORWARD
@@ -238,11 +227,11 @@ class FullyShardedDataParallel(Unit):
         if torch.is_grad_enabled():
             if self.is_root:  # (torch: a backward that died before its callback ran leaves no flag set)
                 self._root_step.final_callback_queued = False
-            tensors = []
-            _apply_to_tensors(lambda t: (t.requires_grad and tensors.append(t)) or t, out)
-            for t in tensors:
-                t.register_hook(self._pre_backward_hook)
-            if tensors:
+            hooked = []  # flags, never the tensors: torch's walk is a closure that calls itself, a cycle only the
+            # garbage collector frees, so a list of outputs it filled would outlive the backward (2 KB in the MLP)
+            _apply_to_tensors(lambda t: (t.requires_grad and hooked.append(t.register_hook(self._pre_backward_hook)
+                                                                             is not None)) or t, out)
+            if hooked:
                 self.training_state = TrainingState.AWAITING_BACKWARD
 
     # ================================================================== 2. backward
@@ -261,7 +250,7 @@ class FullyShardedDataParallel(Unit):
             torch.autograd.Variable._execution_engine.queue_callback(root._post_backward_final_callback)
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             # another of its outputs already brought it here
-            return None
+            return
         self.training_state = TrainingState.PRE_BACKWARD
         h = self._handle
         if h is not None:
@@ -271,7 +260,6 @@ class FullyShardedDataParallel(Unit):
                 self._prefetch(step.order.next_in_backward(self), in_backward=True)
             self._extensions.after_unshard(self)
             h.gradient.prepare()
-        return None
 
     def _post_backward_hook(self) -> None:
         """torch's ``_post_backward_hook``: autograd has summed this unit's full gradient (a hook on its leaf);
@@ -316,24 +304,20 @@ class FullyShardedDataParallel(Unit):
         finish every reduction still in flight, free what is left, every unit back to IDLE.
 
         torch's first makes the compute stream wait for the reduction streams, then ``_ExecOrderData.next_iter``,
-        then ``_catch_all_reshard`` and ``_finalize_params`` for every unit; ours waits unit by unit."""
+        then ``_catch_all_reshard`` and ``_finalize_params`` for every unit; ours waits unit by unit.
+
+        Why a catch-all reshard?  A unit's post-backward hook runs only if its parameters got a gradient; one
+        whose pre-backward gathered them but whose parameters got none (its output reached the loss by a path
+        that skips them) would stay gathered into the next step."""
         step = self._root_step
         for unit in step.units:
-            unit._catch_all_reshard()
+            unit.training_state = TrainingState.IDLE
+            if unit._handle is not None:
+                unit._finish_reduction()
+                unit._reshard(free=unit._should_free_in_backward())
+            unit._extensions.after_backward(unit)
         step.final_callback_queued = False
         step.order.end_iteration()
-
-    def _catch_all_reshard(self) -> None:
-        """torch's ``_catch_all_reshard`` and ``_finalize_params``, for this unit.
-
-        Why a catch-all?  A unit's post-backward hook runs only if its parameters got a gradient; one whose
-        pre-backward gathered them but whose parameters got none (its output reached the loss by a path that
-        skips them) would stay gathered into the next step."""
-        self.training_state = TrainingState.IDLE
-        if self._handle is not None:
-            self._finish_reduction()
-            self._reshard(free=self._should_free_in_backward())
-        self._extensions.after_backward(self)
 
     # ================================================================== 4. the optimizer step
     # Nothing to do: ``model.parameters()`` yields each unit's ``flat_param``, this rank's shard, and
@@ -385,9 +369,9 @@ class FullyShardedDataParallel(Unit):
 
         Why after accumulation?  Autograd sums every use's contribution (each view, a tied weight's two names)
         before the leaf's AccumulateGrad runs once, so this hook sees the whole gradient.  torch registers on
-        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``), once; so do
-        we where each call's gradient comes in alone (``handle.py``, ``_OneCall``): the node runs after them all
-        with none to add, when a hook on the leaf would not run.  (We hold the node: the leaf keeps it.)"""
+        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``) once, and
+        holds it (the leaf's reference is weak); so do we where each call's gradient comes in alone (``handle.py``,
+        ``_OneCall``): the node runs after them all with none to add, when a hook on the leaf would not run."""
         h = self._handle
         if h is not None and h.unsharded.requires_grad and self._post_backward_handle is None:
             # the hook lives in C++, unseen by Python's GC: it must not hold the unit

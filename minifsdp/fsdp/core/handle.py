@@ -89,8 +89,7 @@ class FlatParamHandle:
         self.flat_param = nn.Parameter(shard(full, self.rank, layout.world_size), requires_grad=requires_grad)
         if self.frees:
             del full  # first: at most one unit-sized copy beside the originals
-            self.unsharded = torch.empty(0, dtype=self.dtypes.param, device=self.flat_param.device)
-            self.unsharded.requires_grad_(requires_grad)
+            self.unsharded = self.flat_param.new_empty(0, dtype=self.dtypes.param, requires_grad=requires_grad)
             self.padded = self.new_full_buffer()
             self.state = HandleState.SHARDED
         else:
@@ -121,11 +120,6 @@ class FlatParamHandle:
         self.module.register_parameter("_flat_param", self.flat_param)  # torch's name
 
     # ------------------------------------------------------------------ gather and free
-    def unshard(self) -> None:
-        """All-gather the shards into the full buffer (nothing if already there); waits."""
-        self.start_unshard()
-        self.wait_unshard()
-
     def start_unshard(self) -> None:
         """Issue the all-gather (async); with mixed precision, of the shard cast to the compute dtype."""
         if self.stale():
@@ -173,8 +167,9 @@ class FlatParamHandle:
         """Forward: every original name is a view of the full buffer (autograd flows to it); a tied weight's
         second name gets the *same* view, so both uses' gradients sum."""
         views = unflatten(self.view_source(), self.layout)
-        for slot, v in zip(self.layout.slots, views):  # plain attributes, through setattr: a module that
-            setattr(slot.module, slot.name, v)  # overrides __setattr__ sees every switch, as under torch
+        # plain attributes, through setattr: a module that overrides __setattr__ sees every switch, as under torch
+        for slot, v in zip(self.layout.slots, views):
+            setattr(slot.module, slot.name, v)
         for sh in self.layout.shared:
             setattr(sh.module, sh.name, views[sh.primary])
 
@@ -188,15 +183,9 @@ class FlatParamHandle:
         for slot in self.layout.slots + self.layout.shared:
             setattr(slot.module, slot.name, empty)
 
-    # ------------------------------------------------------------------ what the optimizer and checkpoints read
+    # ------------------------------------------------------------------ what the optimizer steps
     def optimizer_params(self) -> list[nn.Parameter]:
         """What the optimizer steps (``model.parameters()`` yields it): the flat shard; or, where an extension
         keeps the originals (``slot.param``) as views of it, those."""
         kept = [s.param for s in self.layout.slots if s.param is not None]
         return kept or [self.flat_param]
-
-    def local_pieces(self) -> list[tuple[int, int]]:
-        """For each slot, the [lo, hi) of this rank's ``flat_param`` it covers."""
-        if self.sharded:
-            return self.layout.local_pieces(self.rank)
-        return [(s.offset, s.offset + s.numel) for s in self.layout.slots]

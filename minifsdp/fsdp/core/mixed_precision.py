@@ -33,10 +33,9 @@ class MixedPrecision:
     cast_root_forward_inputs: bool = True
 
     def __post_init__(self):
-        for name, value in [(n, getattr(self, n)) for n in ("param_dtype", "reduce_dtype", "buffer_dtype")]:
-            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
-                raise ValueError(f"MixedPrecision.{name} must be a floating dtype such as torch.bfloat16, "
-                                 f"got {value!r}")
+        for name, v in [(n, getattr(self, n)) for n in ("param_dtype", "reduce_dtype", "buffer_dtype")]:
+            if v is not None and (not isinstance(v, torch.dtype) or not v.is_floating_point):
+                raise ValueError(f"MixedPrecision.{name} must be a floating dtype such as torch.bfloat16, got {v!r}")
 
 @dataclass(frozen=True)
 class UnitDtypes:
