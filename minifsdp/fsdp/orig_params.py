@@ -133,6 +133,7 @@ class OrigParams(Extension):
     def __init__(self):
         self.originals: list[nn.Parameter] = []  # the unit's originals, kept from wrap time (the core lets go)
         self.forward_views = None  # SHARD_GRAD_OP after a forward with grad: the full views the names still are
+        self.graph_views = None  # the last forward's views, the tensors its autograd graph holds (torch's _tensors)
 
     def on_wrap(self, unit, layout):
         if layout is None:
@@ -181,9 +182,21 @@ class OrigParams(Extension):
 
     def use_unsharded_views(self, unit, registered: bool) -> None:
         """Views of the full buffer (a frozen original's detached); in the forward registered too, so that
-        ``named_parameters()`` inside it yields them (full shapes, plain tensors), as torch's."""
+        ``named_parameters()`` inside it yields them (full shapes, plain tensors), as torch's.
+
+        Note (the backward's views): the pre-backward runs inside autograd, where a new view has no graph; a
+        reentrant checkpoint (``CheckpointImpl.REENTRANT``) recomputes its block there from what the names point
+        at, and its gradient reaches the flat parameter only through a view made in the forward.  So the backward
+        reuses the forward's view tensors, their ``.data`` the gathered buffer again, as torch's
+        ``_use_unsharded_views`` does with ``flat_param._tensors`` (``tests/test_fsdp_checkpointing_parity.py``)."""
         h = unit._handle
-        views = unflatten(h.view_source(), h.layout)  # (under MixedPrecision, core/handle.py's _OneCall)
+        if not registered and self.graph_views is not None:
+            views = self.graph_views
+            for v, fresh in zip(views, unflatten(h.unsharded.detach(), h.layout), strict=True):
+                v.data = fresh
+        else:
+            views = unflatten(h.view_source(), h.layout)  # (under MixedPrecision, core/handle.py's _OneCall)
+            self.graph_views = views if registered else None
         self.forward_views = []
         for slot, v in zip(h.layout.slots, views):
             if not slot.param.requires_grad:

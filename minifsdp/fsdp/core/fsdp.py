@@ -146,6 +146,10 @@ class FullyShardedDataParallel(Unit):
     # ================================================================== 1. forward
     # torch: FullyShardedDataParallel.forward: _root_pre_forward, _pre_forward, the module, _post_forward.
     def forward(self, *args, **kwargs):
+        # a checkpoint recomputing it inside its backward (autograd's task id is -1 outside one: not a backward
+        # that died in PRE_BACKWARD): gathered already, no hooks, as torch's _pre_forward and _post_forward
+        if self.training_state is TrainingState.PRE_BACKWARD and torch._C._current_graph_task_id() != -1:
+            return self._fsdp_wrapped_module(*args, **kwargs)
         # a second forward before the backward
         again = self.training_state is TrainingState.AWAITING_BACKWARD
         args, kwargs = self._pre_forward(args, kwargs)
@@ -276,9 +280,9 @@ class FullyShardedDataParallel(Unit):
         for unit in [u for u in step.units if u is not self and u._handle is not None] + [self]:
             unit._finish_reduction()
         h.gradient.start_reduce()
-        if h.sharded and h.flat_param.device.type == "cpu":
-            # torch FSDP1 on CPU reduce-scatters synchronously in this hook: a unit's full gradient never
-            # outlives it (one in flight would hold it through the next unit's backward: +1 block at the peak).
+        if h.flat_param.device.type == "cpu":
+            # torch FSDP1 on CPU reduces synchronously in this hook: a unit's full gradient never outlives it (+1
+            # block at the peak), and NO_SHARD's, reduced in place, is done before autograd may add to it again.
             self._finish_reduction()
 
     def _post_backward_reshard(self) -> None:
