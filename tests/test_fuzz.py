@@ -293,3 +293,22 @@ def test_the_command_records_a_campaign(tmp_path, capsys):
     saved = json.loads(record.read_text())
     assert saved["programs"] == 1 and saved["equal"] + len(saved["explained"]) == 1 and not saved["unexplained"]
     assert saved["torch"] == torch.__version__ and saved["by_world_size"] == {str(draw(3, "fsdp2").world_size): 1}
+
+
+def test_records_of_chunks_merge_and_refuse_overlaps():
+    from minifsdp.fuzz.command import merge_records
+
+    def rec(first, last, equal, unexplained=None, impl="fsdp1"):
+        return {"impl": impl, "seeds": [first, last], "programs": last - first + 1, "equal": equal,
+                "explained": {}, "unexplained": unexplained or {}, "ran_every_step_on_both": equal,
+                "both_raised": {"ValueError: x": 1}, "by_world_size": {"2": last - first + 1}, "torch": "t",
+                "seconds": 5}
+
+    merged = merge_records([rec(10, 19, 10), rec(0, 9, 9, {"3": [["grads", "step 1", "a"]]})])
+    assert merged["seeds"] == [[0, 9], [10, 19]] and merged["programs"] == 20 and merged["equal"] == 19
+    assert merged["unexplained"] == {"3": [["grads", "step 1", "a"]]} and merged["both_raised"] == {"ValueError: x": 2}
+    assert merged["by_world_size"] == {"2": 20} and merged["seconds"] == 10
+    with pytest.raises(ValueError, match="overlap"):
+        merge_records([rec(0, 9, 10), rec(5, 14, 10)])
+    with pytest.raises(ValueError, match="impl"):
+        merge_records([rec(0, 9, 10), rec(10, 19, 10, impl="fsdp2")])
