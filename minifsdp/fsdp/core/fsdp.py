@@ -308,7 +308,7 @@ class FullyShardedDataParallel(Unit):
         Why a catch-all reshard?  A unit's post-backward hook runs only if its parameters got a gradient; one whose
         pre-backward gathered them but whose parameters got none (its output reached the loss by a path that skips
         them) would stay gathered into the next step.  One the backward never reached stays as its forward left
-        it, as torch's (SHARD_GRAD_OP's kept: the next forward gathers nothing, ``tests/test_fsdp_regimes_torch.py``)."""
+        it, as torch's (SHARD_GRAD_OP's kept: the next forward gathers nothing; ``test_fsdp_regimes_torch.py``)."""
         for unit in self._root_step.units:
             if unit._handle is not None:
                 unit._finish_reduction()
