@@ -6,7 +6,10 @@
    ``ModuleWrapPolicy({nn.Linear})`` (a root with no parameters of its own, the common setup), a root that keeps
    a Linear, and a unit with its own parameters around a nested unit; and, under bf16 MixedPrecision with and
    without ``forward_prefetch``, two such units in a row (each BatchNorm a unit of its own inside its block);
-   and the model run twice before each backward, with ``forward_prefetch``.  Three steps each:
+   and the model run twice before each backward, with ``forward_prefetch``; a unit called twice in one forward, with
+   ``forward_prefetch``; a frozen first unit the backward never reaches, under SHARD_GRAD_OP (kept gathered into
+   the next step), use_orig_params False and True; and ``summon_full_params(with_grads=True)`` after each backward
+   (every collective with its dtype, ``minifsdp.fuzz.record.CollectiveRecorder``).  Three steps each:
    ``forward_prefetch`` prefetches from the second on.
    Oracle: torch's c10d ops recorded in the same run (``tests/_workers_overlap.CollectiveLog``), each named by its
    numel (the units' padded flat sizes all differ); exact.  Losses and full parameters: bitwise.
@@ -71,6 +74,9 @@ def test_collective_order_in_each_step_is_torch_s(regimes, case):
         for step in range(W.ORDER_STEPS):
             assert ours["forward"][step] == theirs["forward"][step], f"rank {rank} step {step} forward"
             assert ours["backward"][step] == theirs["backward"][step], f"rank {rank} step {step} backward"
+        assert ("summon" in ours) == ("summon" in theirs) == (case[-1] == "summon_with_grads")
+        for step, (o, t) in enumerate(zip(ours.get("summon", []), theirs.get("summon", []), strict=True)):
+            assert o == t, f"rank {rank} step {step} summon_full_params(with_grads=True)"
         assert_bitwise(ours["losses"], theirs["losses"], f"rank {rank} losses")
         assert_bitwise(ours["full"], theirs["full"], f"rank {rank} full parameters")
 

@@ -155,19 +155,36 @@ def test_gantt_chrome_trace_and_profiler(runs):
         assert files["profiler_has_gloo"]  # next to torch's own collective ops
 
 
+class _U:
+    """A stand-in unit: the order reads whether it is the root and whether it has parameters."""
+
+    def __init__(self, name: str, is_root: bool = False, params: bool = True):
+        self.name, self.is_root, self._handle = name, is_root, object() if params else None
+
+    def __repr__(self):
+        return self.name
+
+
 def test_execution_order_unit():
     order = ExecutionOrder()
-    a, b, c = "a", "b", "c"
-    for u in (a, b, c):
+    root, a, b, c = _U("root", is_root=True, params=False), _U("a"), _U("b"), _U("c")
+    for u in (root, a, b, c):
         order.record_pre_forward(u)
+    assert order.pre_forward == [a, b, c]  # a unit without parameters is never a prefetch target
     assert order.next_in_forward(a) is None  # not before the first iteration has ended
     for u in (b, c, a):
         order.record_post_forward(u)
     assert order.next_in_backward(a) == c and order.next_in_backward(c) == b and order.next_in_backward(b) is None
     order.end_iteration()
-    order.record_pre_forward("d")  # the order is fixed after the first iteration
+    order.record_pre_forward(root)  # the next forward begins (the root's forward resets what began)
+    order.record_pre_forward(_U("d"))  # the order is fixed after the first iteration
     assert order.pre_forward == [a, b, c] and order.next_in_forward(a) == b and order.next_in_forward(c) is None
     assert order.post_forward == []
+    for u in (a, b):
+        order.record_pre_forward(u)
+    assert order.next_in_forward(a) is None  # a called again: b's forward began already (torch: no prefetch)
+    order.record_pre_forward(root)
+    assert order.next_in_forward(a) == b  # a new forward
 
 
 def test_limit_all_gathers_is_torchs_free_event_queue():

@@ -44,6 +44,7 @@ Each unit gets its own extensions, in this order, at these points of the step (`
                                       themselves in summon_full_params; a zero_grad() on the originals
                      after_reshard    the originals as views of the shard (SHARD_GRAD_OP: the forward's views kept)
                      after_reduce     each original's .grad, a view of the shard's; optimizers in backward
+                     after_backward   a unit that kept the forward's views, never reached by the backward: freed
 
 Before the core wraps (in ``__init__``, no extension needed): auto-wrapping around ignored modules and
 ``MixedPrecision._module_classes_to_ignore`` (``torch_options.py``), a meta-device model, ``device_id``.
@@ -70,7 +71,7 @@ from minifsdp.fsdp.core.units import clean_name, is_unit, units, units_with_para
 from minifsdp.fsdp.dtype_change import flat_param_registered
 from minifsdp.fsdp.full_params import clip_grad_norm_ as clip_core
 from minifsdp.fsdp.full_params import summon_full_params as summon_core
-from minifsdp.fsdp.orig_params import OrigParams, restore_grads, show_full_grads
+from minifsdp.fsdp.orig_params import OrigParams, drop_full_grads, restore_grads, show_full_grads
 from minifsdp.fsdp.torch_extension import TorchExtension
 from minifsdp.fsdp.torch_options import MixedPrecision
 
@@ -88,7 +89,6 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     on exit, updated from the full ones with ``writeback`` (an edit inside is kept, as torch).
     ``offload_to_cpu``: the full parameters are on the CPU already when the model is.
     """
-    inside = units_with_params(module) if recurse else [module] if is_unit(module) and module._handle else []
     if with_grads and (offload_to_cpu or any(not getattr(u, "use_orig_params", False)
                                              for u in units_with_params(module))):
         raise NotImplementedError("summon_full_params(with_grads=True) needs use_orig_params=True and "
@@ -96,19 +96,17 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     if offload_to_cpu and any(u._handle.flat_param.device.type != "cpu" for u in units_with_params(module)):
         raise NotImplementedError("summon_full_params(offload_to_cpu=True) on an accelerator is not implemented "
                                   "in minifsdp: pass offload_to_cpu=False")
-    grads = []
-    try:
-        with summon_core(module, recurse, writeback, rank0_only):
-            grads = [show_full_grads(u._handle) for u in inside] if with_grads else []
-            try:
-                yield
-            finally:
-                for u in inside if with_grads else []:  # the full gradients go first: .data and .grad must agree
-                    for slot in u._handle.layout.slots if u._handle.sharded else []:  # (NO_SHARD's stay)
-                        slot.param.grad = None
-    finally:
-        for u, before in zip(inside, grads):
-            restore_grads(u._handle, before, writeback)
+    saved = {}
+    with contextlib.ExitStack() as stack:  # unit by unit, as torch: its parameters, then its gradients
+        for u in units(module) if recurse else [module] if is_unit(module) else []:
+            h = u._handle if with_grads else None
+            if h is not None:  # exits last: the shards' gradients back once .data is the shard again
+                stack.callback(lambda h=h: restore_grads(h, saved.get(h), writeback))
+            stack.enter_context(summon_core(u, False, writeback, rank0_only))
+            if h is not None:
+                saved[h] = show_full_grads(h)
+                stack.callback(drop_full_grads, h)  # exits first: .data and .grad must agree
+        yield
 
 
 class FullyShardedDataParallel(core.FullyShardedDataParallel):

@@ -48,9 +48,10 @@ from minifsdp.fsdp.core.extension import Extension
 from minifsdp.fsdp.core.flat_param import FlatParamLayout, ParamSlot, padded_size, unflatten
 from minifsdp.fsdp.core.gradient import set_grad
 from minifsdp.fsdp.core.mixed_precision import resolve_dtypes
-from minifsdp.fsdp.core.state import GradState, TrainingState
+from minifsdp.fsdp.core.state import GradState, HandleState, TrainingState
 
-__all__ = ["OrigParams", "aligned", "set_tensor_attr", "clear_tensor_attr", "show_full_grads", "restore_grads"]
+__all__ = ["OrigParams", "aligned", "set_tensor_attr", "clear_tensor_attr", "show_full_grads", "drop_full_grads",
+           "restore_grads"]
 
 ALIGN_BYTES = 16  # torch's: each original starts at a multiple of 16 bytes in the flat buffer
 
@@ -149,6 +150,14 @@ class OrigParams(Extension):
                 and _keeps_views_after_forward(unit):
             return
         self.use_sharded_views(unit)
+
+    def after_backward(self, unit) -> None:
+        """The final callback: a unit that kept the forward's full views (SHARD_GRAD_OP, autograd on) and that
+        the backward never reached is resharded, as torch's ``_catch_all_reshard`` does for a handle that
+        skipped its sharded views (the core leaves a unit the backward never reached as its forward left it)."""
+        if self.forward_views is not None and unit._handle is not None \
+                and unit._handle.state is HandleState.UNSHARDED:
+            unit._reshard(free=unit._should_free_in_backward())
 
     def use_sharded_views(self, unit) -> None:
         """Between uses: each original, registered again in the flat parameter's order (a tied weight's second
@@ -313,15 +322,23 @@ def show_full_grads(h) -> tuple | None:
     for (lo, hi), g in zip(local_pieces(h), before, strict=True):
         if g is not None and hi > lo:
             local[lo:hi] = g.reshape(-1)
-    has = torch.tensor([float(any(g is not None for g in before))], device=local.device)
-    h.comm.all_reduce(has, group=h.groups.shard, async_op=True).wait()
-    if has.item() == 0:
+    # how many ranks have none (torch's int32 count, compared with the group's size)
+    none = torch.tensor([int(all(g is None for g in before))], dtype=torch.int32, device=local.device)
+    h.comm.all_reduce(none, group=h.groups.shard, async_op=True).wait()
+    if none.item() == h.layout.world_size:
         return before, None
     full = torch.empty(h.layout.padded_numel, dtype=local.dtype, device=local.device)
     h.comm.all_gather(full, local, group=h.groups.shard, async_op=True).wait()
     for slot, v in zip(h.layout.slots, unflatten(full[: h.layout.numel], h.layout), strict=True):
         slot.param.grad = v if slot.param.requires_grad else None
     return before, full
+
+
+def drop_full_grads(h) -> None:
+    """The full gradients off the originals, before their ``.data`` is the shard again (the two must agree in
+    shape).  NO_SHARD's are views of the flat gradient and stay."""
+    for slot in h.layout.slots if h.sharded else []:
+        slot.param.grad = None
 
 
 def restore_grads(h, saved: tuple | None, writeback: bool) -> None:

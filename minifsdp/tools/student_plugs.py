@@ -253,7 +253,8 @@ class StudentOrder(ExecutionOrder):
         return got
 
     def next_in_forward(self, unit):
-        return None if self.first_iteration else self._target(unit, "forward")
+        target = None if self.first_iteration else self._target(unit, "forward")
+        return None if target in self.started else target  # (its forward began already: the core's rule)
 
     def next_in_backward(self, unit):
         return self._target(unit, "backward")

@@ -197,9 +197,9 @@ class FullyShardedDataParallel(Unit):
         # a unit that has started to require grad since wrapping
         self._register_post_backward_hook()
         self.training_state = TrainingState.FORWARD
+        step = self._root._root_step
+        step.order.record_pre_forward(self)
         if h is not None:
-            step = self._root._root_step
-            step.order.record_pre_forward(self)
             prefetched = h.state is HandleState.GATHERING  # its views made then (prefetch.py, Note (views))
             self._unshard()
             if not prefetched:  # module.weight ... become views of the full buffer, as the module expects
@@ -301,23 +301,23 @@ class FullyShardedDataParallel(Unit):
     # ================================================================== 3. end of backward
     def _post_backward_final_callback(self) -> None:
         """torch's ``_post_backward_final_callback`` (queued by the first pre-backward): autograd is done;
-        finish every reduction still in flight, free what is left, every unit back to IDLE.
+        finish every reduction still in flight, free what is left, every unit back to IDLE.  (torch's first makes
+        the compute stream wait for the reduction streams, then ``_ExecOrderData.next_iter``, then
+        ``_catch_all_reshard`` and ``_finalize_params`` for every unit; ours waits unit by unit.)
 
-        torch's first makes the compute stream wait for the reduction streams, then ``_ExecOrderData.next_iter``,
-        then ``_catch_all_reshard`` and ``_finalize_params`` for every unit; ours waits unit by unit.
-
-        Why a catch-all reshard?  A unit's post-backward hook runs only if its parameters got a gradient; one
-        whose pre-backward gathered them but whose parameters got none (its output reached the loss by a path
-        that skips them) would stay gathered into the next step."""
-        step = self._root_step
-        for unit in step.units:
-            unit.training_state = TrainingState.IDLE
+        Why a catch-all reshard?  A unit's post-backward hook runs only if its parameters got a gradient; one whose
+        pre-backward gathered them but whose parameters got none (its output reached the loss by a path that skips
+        them) would stay gathered into the next step.  One the backward never reached stays as its forward left
+        it, as torch's (SHARD_GRAD_OP's kept: the next forward gathers nothing; ``test_fsdp_regimes_torch.py``)."""
+        for unit in self._root_step.units:
             if unit._handle is not None:
                 unit._finish_reduction()
-                unit._reshard(free=unit._should_free_in_backward())
+                if unit.training_state is TrainingState.PRE_BACKWARD:  # gathered by this backward, never freed
+                    unit._reshard(free=unit._should_free_in_backward())
+            unit.training_state = TrainingState.IDLE
             unit._extensions.after_backward(unit)
-        step.final_callback_queued = False
-        step.order.end_iteration()
+        self._root_step.final_callback_queued = False
+        self._root_step.order.end_iteration()
 
     # ================================================================== 4. the optimizer step
     # Nothing to do: ``model.parameters()`` yields each unit's ``flat_param``, this rank's shard, and

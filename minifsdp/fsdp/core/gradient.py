@@ -59,8 +59,7 @@ def prepare_for_reduce_scatter(grad: torch.Tensor, padded_numel: int, reduce_dty
         # a copy, in the dtype the sum is taken in
         grad = grad.to(reduce_dtype)
     # the padded tail: zeros, so they add nothing to the sum
-    pad = padded_numel - grad.numel()
-    if pad > 0:
+    if (pad := padded_numel - grad.numel()) > 0:
         grad = F.pad(grad, [0, pad])
     if predivide > 1:
         grad.div_(predivide)

@@ -46,9 +46,7 @@ class UnitDtypes:
     reduce: torch.dtype  # the gradient reduction
     grad: torch.dtype  # the gradient shard the optimizer receives
 
-    @property
-    def casts_params(self) -> bool:
-        return self.param != self.orig
+    casts_params = property(lambda self: self.param != self.orig)  # a low-precision copy to gather and compute in
 
 def resolve_dtypes(mp: MixedPrecision | None, orig: torch.dtype) -> UnitDtypes:
     """A unit's dtypes under ``mp`` (None: everything in ``orig``), as torch resolves them.

@@ -68,10 +68,11 @@ class ExecutionOrder:
     in them); its ``next_iter`` is our ``end_iteration``, called from the final callback."""
 
     def __init__(self):
-        self.pre_forward, self.post_forward, self.first_iteration = [], [], True  # lists of units
+        self.pre_forward, self.post_forward, self.started, self.first_iteration = [], [], set(), True  # of units
 
     def record_pre_forward(self, unit) -> None:
-        if self.first_iteration and unit not in self.pre_forward:  # a unit called twice counts once
+        self.started = {unit} if unit.is_root else self.started | {unit}
+        if self.first_iteration and unit._handle is not None and unit not in self.pre_forward:  # (called twice: once)
             self.pre_forward.append(unit)
 
     def record_post_forward(self, unit) -> None:
@@ -80,8 +81,10 @@ class ExecutionOrder:
         self.post_forward.append(unit)
 
     def next_in_forward(self, unit):
-        """The unit that ran after ``unit`` in the first iteration's forward (None until that order is known)."""
-        return None if self.first_iteration else prefetch_target(self.pre_forward, self.post_forward, unit, "forward")
+        """The unit that ran after ``unit`` in the first iteration's forward (None until that order is known, or
+        if its forward began already in this one, as torch's ``_needs_pre_forward_unshard``: a unit called twice)."""
+        target = None if self.first_iteration else prefetch_target(self.pre_forward, self.post_forward, unit, "forward")
+        return None if target in self.started else target
 
     def next_in_backward(self, unit):
         """The unit whose forward finished just before ``unit``'s: the next one the backward needs."""
