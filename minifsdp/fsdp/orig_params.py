@@ -30,7 +30,9 @@ we (:func:`aligned`, at ``on_wrap``).
 
 Note (frozen originals): a unit may mix frozen and trainable originals; a frozen one's view
 is detached, gets no gradient, and the optimizer skips it.  ``p.requires_grad_(False)``
-after wrapping works too (read again at every root forward).
+after wrapping works too (read again at every root forward).  Inside ``no_sync()`` torch gives a frozen original
+a ``.grad`` all the same (``_use_unsharded_grad_views`` checks no ``requires_grad``); ours does not
+(``minifsdp/fuzz/known.py``, ``frozen_originals_get_grads_under_no_sync``).
 
 Note (write-back, as torch's ``_writeback_orig_params``): between steps a user may give an original
 new storage (``p.data = t``, ``p.grad = g``) or put a new ``nn.Parameter`` under its name.  Before every
