@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -48,7 +49,7 @@ ROOT_KEEPS_BLOCK0 = ("blocks.1", "blocks.2")
 
 
 def _case(model, ac, strategy="FULL_SHARD", orig=True, units=None, **more) -> dict:
-    """``units``: the paths wrapped by hand (None: ``ModuleWrapPolicy({Block})``)."""
+    """``units``: the paths wrapped by hand (None: ``ModuleWrapPolicy({Block})``; "Linear": every Linear a unit)."""
     return dict(model=model, ac=ac, strategy=strategy, orig=orig, units=units, **more)
 
 
@@ -65,6 +66,10 @@ CASES_2 = {
     **{f"non_reentrant-nested-{s}-orig{int(o)}": _case(NESTED, "non_reentrant", s, o) for s in _STRATEGIES
        for o in (True, False)},
     "non_reentrant-root-keeps-a-block-orig1": _case(THREE, "non_reentrant", units=ROOT_KEEPS_BLOCK0),
+    # every Linear a unit (the fuzzer's seed 100091): the head's pre-backward prefetches the checkpointed block's
+    # unit, whose recompute then runs before its own pre-backward, on the views that prefetch made
+    **{f"{a}-linear-units-orig{int(o)}": _case(ONE, a, orig=o, units="Linear")
+       for a in ("non_reentrant", "reentrant") for o in (True, False)},
     # a unit called twice: non-reentrant (and reentrant where torch gets it right: NO_SHARD without orig params)
     **{f"non_reentrant-twice-{s}-orig{int(o)}": _case(TWICE, "non_reentrant", s, o)
        for s in ("FULL_SHARD", "NO_SHARD") for o in (True, False)},
@@ -108,8 +113,8 @@ def _wrap(FSDP, model, case: dict, group):
               device_id=torch.device("cpu"), process_group=group)
     if case.get("bf16"):
         kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
-    if case["units"] is None:
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+    if case["units"] in (None, "Linear"):
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear} if case["units"] else {Block}), **kw)
     for path in case["units"]:
         parent, _, name = path.rpartition(".")
         model.get_submodule(parent)._modules[name] = FSDP(model.get_submodule(path), **kw)

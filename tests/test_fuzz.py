@@ -164,9 +164,9 @@ def test_scripts_are_python_that_compiles():
 # ---------------------------------------------------------------------- where ours parts from torch on purpose
 def _pinned(**options) -> Program:
     """A small FSDP1 program at 2 ranks: one block unit, two training steps, then what ``options`` adds."""
-    steps = options.pop("steps", [])
+    steps, frozen = options.pop("steps", []), options.pop("frozen", [])
     p = draw(0, "fsdp1")
-    model = dict(p.model, input="dense", tie=False, container="sequential", out="tensor", repeat=None, frozen=[],
+    model = dict(p.model, input="dense", tie=False, container="sequential", out="tensor", repeat=None, frozen=frozen,
                  blocks=[{"kind": "mlp", "hidden": 5, "ret": "tensor"}, {"kind": "linear", "ret": "tensor"}])
     opts = dict(p.options, sharding_strategy="FULL_SHARD", use_orig_params=False, mixed_precision=None,
                 backward_prefetch="BACKWARD_PRE", forward_prefetch=False, limit_all_gathers=True, cpu_offload=False,
@@ -188,6 +188,9 @@ PINNED = {
                                                       "offload": True, "load": False}]),
     "orig_params_optim_state_dict_repeats_a_state": _pinned(use_orig_params=True, steps=[
         {"op": "optim_state_dict", "rank0_only": False, "load": True}]),
+    # block 0's unit mixes a frozen Linear (up) with a trainable one (down)
+    "frozen_originals_get_grads_under_no_sync": _pinned(use_orig_params=True, frozen=["blocks.0.up"],
+                                                       steps=[{"op": "no_sync"}]),
 }
 
 
@@ -268,6 +271,22 @@ def test_pinned_orig_params_optim_state_torch_repeats_exp_avg_sq_ours_resumes(pi
         assert repeated, "torch no longer repeats exp_avg_sq as exp_avg: drop the known entry"
         assert all(first_difference(states["ours"][k + ".exp_avg"], states["ours"][k + ".exp_avg_sq"]) is not None
                    for k in repeated)
+
+
+def test_pinned_frozen_originals_torch_grads_under_no_sync_ours_none(pinned):
+    i = 2  # the no_sync step: torch's frozen originals hold the gradient autograd computed; the others are equal
+    for rec in pinned["frozen_originals_get_grads_under_no_sync"]:
+        torch_grads, our_grads = rec["torch"]["steps"][i]["grads"], rec["ours"]["steps"][i]["grads"]
+        assert [n for n, _ in torch_grads] == [n for n, _ in our_grads]
+        frozen = [n for n, _ in torch_grads if ".blocks.0." in n and ".up." in n]
+        assert len(frozen) == 2, frozen
+        for (name, t), (_, o) in zip(torch_grads, our_grads, strict=True):
+            if name in frozen:
+                assert o is None and t is not None and t[1].abs().sum() > 0, name
+            else:
+                assert first_difference(o, t) is None, name
+        assert all(g is None for n, g in rec["torch"]["steps"][i + 1]["grads"] if n in frozen)  # synced: none
+        assert first_difference(rec["ours"]["final"], rec["torch"]["final"]) is None
 
 
 # ---------------------------------------------------------------------- the command

@@ -14,7 +14,8 @@ extension of each unit, ``core/extension.py``) sets at the step's fixed points:
     forward             names are views of the full buffer     the same, and registered (so      after_unshard
                                                                named_parameters() shows them)
     backward            (the forward's views)                  views again (a recompute reads    after_unshard
-                                                               them)
+                                                               them; a backward prefetch's:      before_forward
+                                                               Note (recompute))
     gradient            ``flat_param.grad`` (the shard)        each original's ``.grad`` = its   after_reduce
                                                                piece
     summon              new full-shape Parameters              the originals, ``.data`` = full   after_unshard
@@ -29,7 +30,9 @@ we (:func:`aligned`, at ``on_wrap``).
 
 Note (frozen originals): a unit may mix frozen and trainable originals; a frozen one's view
 is detached, gets no gradient, and the optimizer skips it.  ``p.requires_grad_(False)``
-after wrapping works too (read again at every root forward).
+after wrapping works too (read again at every root forward).  Inside ``no_sync()`` torch gives a frozen original
+a ``.grad`` all the same (``_use_unsharded_grad_views`` checks no ``requires_grad``); ours does not
+(``minifsdp/fuzz/known.py``, ``frozen_originals_get_grads_under_no_sync``).
 
 Note (write-back, as torch's ``_writeback_orig_params``): between steps a user may give an original
 new storage (``p.data = t``, ``p.grad = g``) or put a new ``nn.Parameter`` under its name.  Before every
@@ -37,6 +40,14 @@ all-gather the handle copies such a tensor into the flat shard (and a gradient i
 so the all-gather sends what the user sees; a piece of another shape is an error.  SHARD_GRAD_OP keeps
 the forward's full-shape views until the backward (torch's "skipped sharded views"): changing them in
 between is an error too.
+
+Note (recompute): a checkpoint around a unit (``apply_activation_checkpointing`` on a block whose Linear is a
+unit of its own) recomputes the unit's forward inside the backward, *before* the unit's pre-backward.  If the
+backward prefetched the unit (BACKWARD_PRE from the unit after it), that forward finds its all-gather started
+and makes no views (``core/fsdp.py``, ``_pre_forward``), while the names are still the 1-D pieces of the shard.
+torch's prefetch makes the pre-backward views at once (``_prefetch_handle`` -> ``FlatParamHandle.unshard`` ->
+``_use_unsharded_views``: the forward's ``_tensors``, ``.data`` the full buffer), and the recompute computes
+with them; ours makes the same views at that forward's start (:meth:`OrigParams.before_forward`).
 """
 
 from __future__ import annotations
@@ -135,6 +146,7 @@ class OrigParams(Extension):
         self.originals: list[nn.Parameter] = []  # the unit's originals, kept from wrap time (the core lets go)
         self.forward_views = None  # SHARD_GRAD_OP after a forward with grad: the full views the names still are
         self.graph_views = None  # the last forward's views, the tensors its autograd graph holds (torch's _tensors)
+        self.backward_prefetched = False  # its all-gather was started by a backward prefetch (Note (recompute))
 
     def on_wrap(self, unit, layout):
         if layout is None:
@@ -145,7 +157,15 @@ class OrigParams(Extension):
         return layout
 
     # ------------------------------------------------------------------ where the names point
+    def before_forward(self, unit, args, kwargs) -> None:
+        """A forward of a unit the backward prefetched (a checkpoint's recompute): the pre-backward views now, as
+        torch's prefetch made them (Note (recompute)); the forward then computes with them."""
+        if self.backward_prefetched and unit._handle.state is not HandleState.SHARDED:
+            self.use_unsharded_views(unit, registered=False)
+        self.backward_prefetched = False
+
     def after_reshard(self, unit) -> None:
+        self.backward_prefetched = False
         if unit.training_state is TrainingState.FORWARD and torch.is_grad_enabled() \
                 and _keeps_views_after_forward(unit):
             return
@@ -221,6 +241,7 @@ class OrigParams(Extension):
 
     # ------------------------------------------------------------------ the user's changes, before each gather
     def before_unshard(self, unit, prefetch: bool) -> None:
+        self.backward_prefetched = prefetch and unit.training_state is not TrainingState.FORWARD
         self.write_back_originals(unit)
         if unit.training_state is TrainingState.FORWARD:  # the core points the names at plain views next:
             h = unit._handle  # they leave _parameters (after_unshard registers the views in their place)

@@ -15,7 +15,8 @@
     torch's ShardingStrategy, BackwardPrefetch, MixedPrecision
                                      ours, by name / by field (the same meaning)
     cpu_offload=CPUOffload()         nothing to do (offload_params=False)
-    CPUOffload(offload_params=True)  refused (RuntimeError, as torch on a CPU-only machine), naming the fix
+    CPUOffload(offload_params=True)  refused (RuntimeError, as torch on a CPU-only machine), naming the fix,
+                                     once the model is wrapped (torch's wrap-time errors come first)
     ignored_modules / ignored_states their parameters and buffers stay as they are: not flattened,
                                      not sharded, not reduced, not checked; auto-wrap skips them
     nested units that differ in use_orig_params / limit_all_gathers: refused at the root's first
@@ -51,6 +52,7 @@ from minifsdp.fsdp.core.units import flattened_params, is_unit
 __all__ = ["CPUOffload", "MixedPrecision", "size_based_auto_wrap_policy", "hybrid_groups", "mesh_process_group",
            "node_groups", "devices_per_node",
            "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
+           "offloads_params",
            "check_homogeneous", "ignored_params", "wrap_children", "policy_with_mp_overrides",
            "override_mixed_precision"]
 
@@ -177,10 +179,17 @@ def normalize_mixed_precision(mp):
     return MixedPrecision(**{k: getattr(mp, k) for k in fields if hasattr(mp, k)})
 
 
+def offloads_params(cpu_offload) -> bool:
+    return cpu_offload is not None and getattr(cpu_offload, "offload_params", False)
+
+
 def check_cpu_offload(cpu_offload) -> None:
     """``CPUOffload(offload_params=True)`` is refused with torch's error type (a RuntimeError, which torch
-    FSDP1 raises on a machine without an accelerator), naming the fix."""
-    if cpu_offload is not None and getattr(cpu_offload, "offload_params", False):
+    FSDP1 raises on a machine without an accelerator, at the first forward), naming the fix.
+
+    Called once the whole model is wrapped (the units below get ``cpu_offload=None``): where torch's wrapping
+    itself fails first (a unit that mixes frozen and trainable parameters), ours raises torch's error, not this."""
+    if offloads_params(cpu_offload):
         raise RuntimeError(
             "FSDP(cpu_offload=CPUOffload(offload_params=True)) is not supported by minifsdp: parameter offload "
             "keeps the shards on the CPU between uses of an accelerator, and on a CPU-only run there is nothing "

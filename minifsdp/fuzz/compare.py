@@ -80,7 +80,7 @@ def _short(x, limit: int = 120) -> str:
 
 
 # fields whose every mismatch is listed, not only the first: a known difference (known.py) must not hide another
-_EVERY = ("state_types",)
+_EVERY = ("state_types", "grads")
 
 
 def every_difference(a: list, b: list) -> str | None:

@@ -95,6 +95,26 @@ def _orig_params_optim_offload(program, d) -> bool:
                                                    for s in program.steps[first:i])
 
 
+def _plain_name(name: str) -> str:
+    """A parameter's name in the plain model: the FSDP1 and checkpoint wrappers' segments dropped."""
+    return ".".join(p for p in name.split(".") if p not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+
+
+def _frozen_grads_under_no_sync(program, d) -> bool:
+    """torch's ``no_sync`` with use_orig_params gives each frozen original a ``.grad``; ours gives none: every
+    original that differs is frozen, ours None, torch's a tensor (``grads`` lists each one: compare.py)."""
+    step = _step_of(program, d[1])
+    if program.impl != "fsdp1" or not program.options["use_orig_params"] or d[0] != "grads" or step is None \
+            or step["op"] != "no_sync" or not program.model.get("frozen"):
+        return False
+    for part in d[2].split("; "):
+        name, _, what = part.partition(": ")
+        if not (name.endswith(".1") and what.startswith("NoneType None vs tuple ('Tensor',")
+                and any(_plain_name(name[:-2]).startswith(f) for f in program.model["frozen"])):
+            return False
+    return True
+
+
 KNOWN: list[Known] = [
     Known("cpu_offload_refused_at_wrapping",
           "FSDP(cpu_offload=CPUOffload(offload_params=True)) on a machine without an accelerator: torch wraps, then "
@@ -126,6 +146,13 @@ KNOWN: list[Known] = [
           "views of it; on the CPU '.cpu()' makes no copy), so a resume from it leaves torch's own continued run. "
           "Ours returns each state as it is; a resume from ours equals the continued run.",
           _orig_params_optim_offload),
+    Known("frozen_originals_get_grads_under_no_sync",
+          "no_sync() with use_orig_params=True and a unit mixing frozen and trainable parameters: torch gives each "
+          "frozen original (requires_grad=False) a .grad, a view of the unit's unsharded gradient holding what "
+          "autograd computed for it (_flat_param.FlatParamHandle._use_unsharded_grad_views checks no requires_grad; "
+          "_use_sharded_grad_views, after a synced backward, sets them to None, as its docstring says). Ours gives "
+          "a frozen original no gradient in both, as autograd and DDP do (orig_params.py, Note (frozen originals)).",
+          _frozen_grads_under_no_sync),
 ]
 
 
