@@ -45,6 +45,14 @@ from minifsdp.fsdp.torch_options import check_homogeneous
 __all__ = ["TorchExtension", "adopt_dtype", "check_dtype"]
 
 
+def _flattened_by_a_sibling(p) -> bool:
+    """An original another unit took over and trains as itself (use_orig_params), reached again through a module of
+    this one (a weight tied across units under NO_SHARD): torch's ``_get_orig_params`` skips it (``_is_fsdp_flattened``),
+    and so do we; this unit's module keeps it (``checks.check_ties_across_units``)."""
+    mark = getattr(p, FLATTENED, None)
+    return mark is not None and mark.still_trains
+
+
 class TorchExtension(Extension):
     """torch FSDP1's behaviour around the step, for one unit (the table above)."""
 
@@ -60,7 +68,7 @@ class TorchExtension(Extension):
         module = unit.module
         check_ties_across_units(module, self.use_orig_params)
         params = [s.param for s in layout.slots] if layout is not None else []
-        kept = [p for p in params if p not in self.ignored_params]
+        kept = [p for p in params if p not in self.ignored_params and not _flattened_by_a_sibling(p)]
         ignored_buffers = {id(b) for m in self.ignored_modules for b in m.buffers()}
         for b in (b for m in self.ignored_modules for b in m.buffers()):  # MixedPrecision leaves them as they are
             setattr(b, KEEP_DTYPE, True)
@@ -83,7 +91,8 @@ class TorchExtension(Extension):
                              "requires_grad when use_orig_params=False'). Pass use_orig_params=True, or wrap the "
                              "frozen part in its own unit.")
         for slot in layout.slots:
-            setattr(slot.param, FLATTENED, Flattened(slot.module, slot.name, slot.fqn, self.use_orig_params))
+            setattr(slot.param, FLATTENED, Flattened(slot.module, slot.name, slot.fqn, self.use_orig_params,
+                                                       unit.plan.shards_params, unit.plan.data_parallel_size))
         return layout
 
     # ------------------------------------------------------------------ the root's first forward
