@@ -99,8 +99,8 @@ def test_weight_tied_across_units_with_orig_params():
     parameter, and trains tied, bitwise as torch: tok_emb's unit owning it (lm_head's gradient written back
     before tok_emb's all-reduce: every rank alike), and lm_head's (tok_emb's gradient arrives after lm_head's
     all-reduce and is left out of it, in torch too: the ranks drift), and both units of their own (lm_head's then
-    flattens nothing, as torch's, whose ``_get_orig_params`` skips what tok_emb's took).  On more than one rank ours warns
-    (wrap time cannot tell which use comes last)."""
+    flattens nothing, as torch's, whose ``_get_orig_params`` skips what tok_emb's took).  On more than one rank
+    ours warns (wrap time cannot tell which use comes last)."""
     results = spawn(W.tied_across_units_cases, (TIED_ORIG_CASES,), world_size=2)
     sharded = results[0][0]
     assert "must be 2-D" in sharded["torch"]["error"]

@@ -46,9 +46,9 @@ __all__ = ["TorchExtension", "adopt_dtype", "check_dtype"]
 
 
 def _flattened_by_a_sibling(p) -> bool:
-    """An original another unit took over and trains as itself (use_orig_params), reached again through a module of
-    this one (a weight tied across units under NO_SHARD): torch's ``_get_orig_params`` skips it (``_is_fsdp_flattened``),
-    and so do we; this unit's module keeps it (``checks.check_ties_across_units``)."""
+    """An original another unit took over and trains as itself (use_orig_params), reached again through a module
+    of this one (a weight tied across units under NO_SHARD): torch's ``_get_orig_params`` skips it
+    (``_is_fsdp_flattened``), and so do we; this unit's module keeps it (``checks.check_ties_across_units``)."""
     mark = getattr(p, FLATTENED, None)
     return mark is not None and mark.still_trains
 
