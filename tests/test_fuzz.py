@@ -179,7 +179,7 @@ def _pinned(**options) -> Program:
 
 
 PINNED = {
-    "cpu_offload_refused_at_wrapping": _pinned(cpu_offload=True),
+    "cpu_offload_refused_at_first_forward": _pinned(cpu_offload=True),
     "sharded_state_dict_is_dtensor": _pinned(steps=[{"op": "state_dict", "type": "SHARDED", "rank0_only": False,
                                                       "offload": False, "load": True}]),
     "local_state_dict_with_orig_params": _pinned(use_orig_params=True, steps=[
@@ -217,11 +217,11 @@ def test_known_difference_is_explained_and_only_it(pinned, name):
         assert len(explain(program, diffs)) == len(diffs), (rank, diffs)
 
 
-def test_pinned_cpu_offload_torch_fails_at_the_first_forward_ours_at_wrapping(pinned):
-    for rec in pinned["cpu_offload_refused_at_wrapping"]:
+def test_pinned_cpu_offload_both_fail_at_the_first_forward_ours_naming_the_fix(pinned):
+    for rec in pinned["cpu_offload_refused_at_first_forward"]:
         assert rec["torch"]["error"][:2] == (0, "RuntimeError")
         assert "Cannot access accelerator" in rec["torch"]["error"][2]
-        assert rec["ours"]["error"][:2] == (-1, "RuntimeError")
+        assert rec["ours"]["error"][:2] == (0, "RuntimeError")
         assert "CPUOffload(offload_params=False)" in rec["ours"]["error"][2]
 
 

@@ -10,8 +10,8 @@ points ``core/extension.py`` lists:
                      the same weights on every rank or ``sync_module_states``, a weight tied across units;
                      a unit mixing frozen and trainable parameters is refused unless ``use_orig_params``;
                      a mark on every original taken over (:data:`FLATTENED`, read by two checks)
-    on_lazy_init     every unit agrees on ``use_orig_params`` and ``limit_all_gathers``; the units' dtypes
-                     are fixed from now on
+    on_lazy_init     every unit agrees on ``use_orig_params`` and ``limit_all_gathers``; parameter offload
+                     is refused (``torch_options.check_cpu_offload``); the units' dtypes are fixed from now on
     before_forward   (the root) ``requires_grad`` set by the user after wrapping is read again, as
                      torch's ``_reset_flat_param_grad_info_if_needed``; a forward again before the
                      previous one's backward, after the shards changed, is refused
@@ -40,7 +40,7 @@ from minifsdp.fsdp.core.mixed_precision import KEEP_DTYPE, resolve_dtypes
 from minifsdp.fsdp.core.state import HandleState
 from minifsdp.fsdp.core.units import units
 from minifsdp.fsdp.deferred_init import sync_module_states
-from minifsdp.fsdp.torch_options import check_homogeneous
+from minifsdp.fsdp.torch_options import check_cpu_offload, check_homogeneous
 
 __all__ = ["TorchExtension", "adopt_dtype", "check_dtype"]
 
@@ -98,6 +98,8 @@ class TorchExtension(Extension):
     # ------------------------------------------------------------------ the root's first forward
     def on_lazy_init(self, root) -> None:
         check_homogeneous(root._root_step.units)
+        for unit in root._root_step.units:  # where torch fails on a CPU-only machine, after its own checks
+            check_cpu_offload(getattr(unit, "cpu_offload", None))
         for unit in root._root_step.units:  # torch's lazy init: the dtypes are fixed from now on
             ext = _own(unit)
             if unit._handle is not None and ext is not None:
