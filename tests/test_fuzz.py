@@ -179,7 +179,6 @@ def _pinned(**options) -> Program:
 
 
 PINNED = {
-    "cpu_offload_refused_at_wrapping": _pinned(cpu_offload=True),
     "sharded_state_dict_is_dtensor": _pinned(steps=[{"op": "state_dict", "type": "SHARDED", "rank0_only": False,
                                                       "offload": False, "load": True}]),
     "local_state_dict_with_orig_params": _pinned(use_orig_params=True, steps=[
@@ -215,14 +214,6 @@ def test_known_difference_is_explained_and_only_it(pinned, name):
         assert diffs, f"rank {rank}: {name} shows no difference any more: has torch changed? drop the entry"
         assert set(explain(program, diffs).values()) == {name}, (rank, diffs)
         assert len(explain(program, diffs)) == len(diffs), (rank, diffs)
-
-
-def test_pinned_cpu_offload_torch_fails_at_the_first_forward_ours_at_wrapping(pinned):
-    for rec in pinned["cpu_offload_refused_at_wrapping"]:
-        assert rec["torch"]["error"][:2] == (0, "RuntimeError")
-        assert "Cannot access accelerator" in rec["torch"]["error"][2]
-        assert rec["ours"]["error"][:2] == (-1, "RuntimeError")
-        assert "CPUOffload(offload_params=False)" in rec["ours"]["error"][2]
 
 
 def test_pinned_sharded_state_dict_torch_shardedtensor_ours_dtensor_same_numbers(pinned):

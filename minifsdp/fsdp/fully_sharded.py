@@ -154,7 +154,7 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
                 auto_wrap_policy = opts.policy_with_mp_overrides(auto_wrap_policy, fp32)
                 opts.override_mixed_precision(module, fp32)
             child = dict(process_group=process_group, sharding_strategy=sharding_strategy,
-                         cpu_offload=None if opts.offloads_params(cpu_offload) else cpu_offload,  # refused below
+                         cpu_offload=cpu_offload,  # offload_params=True: refused at the first forward
                          backward_prefetch=backward_prefetch, param_init_fn=param_init_fn, device_id=device_id,
                          sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                          limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
@@ -170,7 +170,6 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
             extensions.append(OrigParams())
         super().__init__(module, process_group, sharding_strategy, None, backward_prefetch, mixed_precision,
                          forward_prefetch, limit_all_gathers, collectives, extensions)
-        opts.check_cpu_offload(cpu_offload)  # after torch's own wrap-time errors (its docstring says why)
         self.use_orig_params, self.cpu_offload = use_orig_params, cpu_offload
         self.register_load_state_dict_pre_hook(sd_type.load_under_a_plain_parent)  # a plain root above us
         install_optimizer_check()

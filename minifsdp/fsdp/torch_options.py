@@ -16,7 +16,7 @@
                                      ours, by name / by field (the same meaning)
     cpu_offload=CPUOffload()         nothing to do (offload_params=False)
     CPUOffload(offload_params=True)  refused (RuntimeError, as torch on a CPU-only machine), naming the fix,
-                                     once the model is wrapped (torch's wrap-time errors come first)
+                                     at the root's first forward, where torch fails (:func:`check_cpu_offload`)
     ignored_modules / ignored_states their parameters and buffers stay as they are: not flattened,
                                      not sharded, not reduced, not checked; auto-wrap skips them
     nested units that differ in use_orig_params / limit_all_gathers: refused at the root's first
@@ -187,8 +187,9 @@ def check_cpu_offload(cpu_offload) -> None:
     """``CPUOffload(offload_params=True)`` is refused with torch's error type (a RuntimeError, which torch
     FSDP1 raises on a machine without an accelerator, at the first forward), naming the fix.
 
-    Called once the whole model is wrapped (the units below get ``cpu_offload=None``): where torch's wrapping
-    itself fails first (a unit that mixes frozen and trainable parameters), ours raises torch's error, not this."""
+    Called at the root's first forward (``torch_extension.py``'s ``on_lazy_init``), for every unit, where torch
+    fails: so every error torch raises before it comes first, as in torch, also a wrap-time error of an outer
+    ``FSDP(...)`` call after an inner unit wrapped by hand (a unit that mixes frozen and trainable parameters)."""
     if offloads_params(cpu_offload):
         raise RuntimeError(
             "FSDP(cpu_offload=CPUOffload(offload_params=True)) is not supported by minifsdp: parameter offload "

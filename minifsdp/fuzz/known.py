@@ -33,15 +33,6 @@ def _step_of(program, where: str) -> dict | None:
     return program.steps[i] if i < len(program.steps) else None
 
 
-def _cpu_offload_refused(program, d) -> bool:
-    if program.impl != "fsdp1" or not program.options.get("cpu_offload"):
-        return False
-    if d[0] == "error":
-        return ("ours raised RuntimeError at wrapping: FSDP(cpu_offload=CPUOffload(offload_params=True)) is not "
-                "supported" in d[2] and "torch raised RuntimeError at step 0: Cannot access accelerator" in d[2])
-    return d[0] == "wrapped" and d[2].startswith(": NoneType None vs list")
-
-
 def _sharded_is_dtensor(program, d) -> bool:
     step = _step_of(program, d[1])
     return (program.impl == "fsdp1" and d[0] == "state_types" and step is not None and step["type"] == "SHARDED"
@@ -116,12 +107,6 @@ def _frozen_grads_under_no_sync(program, d) -> bool:
 
 
 KNOWN: list[Known] = [
-    Known("cpu_offload_refused_at_wrapping",
-          "FSDP(cpu_offload=CPUOffload(offload_params=True)) on a machine without an accelerator: torch wraps, then "
-          "fails at the first forward ('Cannot access accelerator device when none is available', "
-          "_runtime_utils._pre_forward_unshard moving the shard to the compute device); ours refuses at wrapping "
-          "with the same RuntimeError type and says what to pass instead (torch_options.check_cpu_offload).",
-          _cpu_offload_refused),
     Known("sharded_state_dict_is_dtensor",
           "SHARDED_STATE_DICT values: torch FSDP1 returns ShardedTensor (its FutureWarning: 'Please use DTensor "
           "instead and we are deprecating ShardedTensor'; DTensor only with _use_dtensor); ours returns DTensor with "
