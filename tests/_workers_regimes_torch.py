@@ -63,6 +63,19 @@ class _NormBlock(nn.Module):
         return torch.relu(self.norm(self.fc(x)))
 
 
+class _Spare(nn.Module):
+    """A unit whose only gradient path is a frozen Linear (``fc``, frozen before wrapping); ``spare`` (trainable)
+    never runs.  With use_orig_params, torch's views of a frozen original are not detached: its gradient reaches
+    the flat parameter, and the unit reduce-scatters."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.spare = nn.Linear(5, 13), nn.Linear(13, 5)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
 class _CalledTwice(nn.Module):
     """Linear units, the first called again after the others: a forward prefetch from its second call must not
     gather the unit after it again (its forward is done)."""
@@ -78,7 +91,7 @@ class _CalledTwice(nn.Module):
 # shape -> (builder, wrap policy); flat sizes at 2 ranks (padded): linears 78, 154, 36 (root none);
 # root_params 78, 154 and the root 36; nested: root 102 (5x13 + 7x3 Linears), block 154, inner 84;
 # norm_blocks (under MixedPrecision, each BatchNorm a unit inside its block): 78, 26, 154, 22 and the root 36;
-# called_twice: 30 (called twice), 78, 70, 18 (root none)
+# called_twice: 30 (called twice), 78, 70, 18 (root none); spare (use_orig_params): 158 and the root 44
 SHAPES = {
     "linears": (lambda: nn.Sequential(nn.Linear(5, 13), nn.ReLU(), nn.Linear(13, 11), nn.ReLU(), nn.Linear(11, 3)),
                 lambda: ModuleWrapPolicy({nn.Linear})),
@@ -89,6 +102,7 @@ SHAPES = {
     "norm_blocks": (lambda: nn.Sequential(_NormBlock(5, 13), _NormBlock(13, 11), nn.Linear(11, 3)),
                     lambda: ModuleWrapPolicy({_NormBlock})),
     "called_twice": (_CalledTwice, lambda: ModuleWrapPolicy({nn.Linear})),
+    "spare": (lambda: nn.Sequential(_Spare(), nn.Linear(13, 3)), lambda: ModuleWrapPolicy({_Spare})),
 }
 
 
@@ -125,7 +139,10 @@ EXTRAS = {"default": {}, "forward_prefetch": dict(forward_prefetch=True), "no_li
           "bf16_forward_prefetch": dict(mixed_precision=BF16, forward_prefetch=True),
           "forward_prefetch_two_forwards": dict(forward_prefetch=True),  # (the model runs twice before each backward)
           "frozen_first": {}, "frozen_first_orig": dict(use_orig_params=True),  # (the first Linear frozen)
-          "summon_with_grads": dict(use_orig_params=True)}  # (summon_full_params(with_grads=True) after the backward)
+          "summon_with_grads": dict(use_orig_params=True),  # (summon_full_params(with_grads=True) after the backward)
+          "frozen_fc_orig": dict(use_orig_params=True),  # (_Spare's fc frozen)
+          # (before each step's forward: a forward under no_grad, then summon_full_params with an edit written back)
+          "summon_edit_after_no_grad": dict(use_orig_params=True)}
 ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in ("linears", "root_params", "nested")
                for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in PREFETCH
                for extra in ("default", "forward_prefetch", "no_limit")
@@ -141,6 +158,11 @@ ORDER_CASES += [("called_twice", "FULL_SHARD", "BACKWARD_PRE", "forward_prefetch
 ORDER_CASES += [("linears", "SHARD_GRAD_OP", "BACKWARD_PRE", extra) for extra in ("frozen_first", "frozen_first_orig")]
 # summon_full_params(with_grads=True): unit by unit, its parameters, the count of ranks without a gradient, the gradient
 ORDER_CASES += [("root_params", "FULL_SHARD", "BACKWARD_PRE", "summon_with_grads")]
+# a unit the backward reaches only through a frozen original (use_orig_params): it reduce-scatters, as torch's
+ORDER_CASES += [("spare", "FULL_SHARD", "BACKWARD_PRE", "frozen_fc_orig")]
+# SHARD_GRAD_OP keeps what a no_grad forward gathered; an edit inside summon_full_params is written back to the
+# shard and is in the kept buffer too: the next forward gathers nothing, as torch's
+ORDER_CASES += [("linears", "SHARD_GRAD_OP", "BACKWARD_PRE", "summon_edit_after_no_grad")]
 ORDER_STEPS = 3  # the 2nd step is the first with an order recorded (forward_prefetch follows it), the 3rd repeats it
 
 
@@ -148,13 +170,18 @@ def case_order(api: Side, shape: str, strategy: str, prefetch: str, extra: str) 
     """``ORDER_STEPS`` SGD steps; per step, the (kind, numel) of every all-gather and reduce-scatter in the forward
     (or the two forwards) and in the backward, in the order this rank issued them; the losses and the full
     parameters after."""
-    freeze = (lambda m: _first_linear(m).requires_grad_(False)) if extra.startswith("frozen_first") else None
+    freeze = (lambda m: _first_linear(m).requires_grad_(False)) if extra.startswith("frozen") else None
     model = build(api, shape, freeze=freeze, sharding_strategy=ShardingStrategy[strategy],
                   backward_prefetch=PREFETCH[prefetch], **EXTRAS[extra])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     out = {"forward": [], "backward": [], "losses": []}
     for step in range(ORDER_STEPS):
         x, y = batch(step, dist.get_rank())
+        if extra == "summon_edit_after_no_grad":
+            with torch.no_grad():
+                model(x)
+            with api.FSDP.summon_full_params(model, writeback=True), torch.no_grad():
+                next(iter(model.parameters())).add_(0.5)
         with CollectiveLog() as fwd:
             loss = F.mse_loss(model(x).float(), y)  # (bf16 under MixedPrecision)
             if extra.endswith("two_forwards"):

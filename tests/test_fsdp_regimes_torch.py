@@ -8,7 +8,10 @@
    without ``forward_prefetch``, two such units in a row (each BatchNorm a unit of its own inside its block);
    and the model run twice before each backward, with ``forward_prefetch``; a unit called twice in one forward, with
    ``forward_prefetch``; a frozen first unit the backward never reaches, under SHARD_GRAD_OP (kept gathered into
-   the next step), use_orig_params False and True; and ``summon_full_params(with_grads=True)`` after each backward
+   the next step), use_orig_params False and True; a unit the backward reaches only through a frozen original
+   (use_orig_params: it reduce-scatters); under SHARD_GRAD_OP, a forward under ``no_grad`` then an edit written
+   back inside ``summon_full_params`` before each step (the kept full parameters are used, not gathered again);
+   and ``summon_full_params(with_grads=True)`` after each backward
    (every collective with its dtype, ``minifsdp.fuzz.record.CollectiveRecorder``).  Three steps each:
    ``forward_prefetch`` prefetches from the second on.
    Oracle: torch's c10d ops recorded in the same run (``tests/_workers_overlap.CollectiveLog``), each named by its

@@ -13,7 +13,7 @@
   so the concatenation no longer sits on top of them: one block less at the peak of ``bench fsdp``.
   Only for a sharded unit whose forward ran once since its last backward (with two forwards the
   first graph still reads the parameters after the second graph's split node), and not with
-  ``use_orig_params`` (frozen, detached views are read outside that split's graph).  The numbers
+  ``use_orig_params`` (its views are the user's tensors, which code may read outside that split's graph).  The numbers
   never change: no kernel reads them.
 * **Gather again for a reentrant checkpoint's second call** (ours, not torch's: torch is wrong here).  A
   reentrant checkpoint (``CheckpointImpl.REENTRANT``) recomputes its block inside the backward and runs that

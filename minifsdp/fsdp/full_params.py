@@ -120,6 +120,8 @@ def _summoned(unit, writeback: bool, shown: bool):
         if h is not None and shown:
             hide_full_params(h)
             unit._extensions.after_reshard(unit)
+            if kept and writeback:  # the kept buffer holds what the shard now holds (an edit written back): no
+                h.gathered_from = h.shard_version()  # gather again at the next use (torch never gathers a kept one)
     finally:
         unit.training_state = before
 

@@ -28,8 +28,11 @@ group's size, NO_SHARD's too (``_flat_param.py``'s ``_init_flat_param_and_metada
 of its own, 65 + 13 numbers, is 65 + 3 + 13 = 81 aligned and 82 on 2 ranks, and NO_SHARD all-reduces 82.  So do
 we (:func:`aligned`, at ``on_wrap``).
 
-Note (frozen originals): a unit may mix frozen and trainable originals; a frozen one's view
-is detached, gets no gradient, and the optimizer skips it.  ``p.requires_grad_(False)``
+Note (frozen originals): a unit may mix frozen and trainable originals; the optimizer skips a frozen one, and
+after a synced backward it gets no ``.grad``.  Its forward view is not detached, as torch's is not
+(``_use_unsharded_views`` cuts every view from the flat parameter, which requires a gradient if any original
+does): autograd computes its gradient into the flat gradient, so a unit reached only through frozen originals
+still reduce-scatters its (whole) gradient, as torch's does.  ``p.requires_grad_(False)``
 after wrapping works too (read again at every root forward).  Inside ``no_sync()`` torch gives a frozen original
 a ``.grad`` all the same (``_use_unsharded_grad_views`` checks no ``requires_grad``); ours does not
 (``minifsdp/fuzz/known.py``, ``frozen_originals_get_grads_under_no_sync``).
@@ -210,7 +213,8 @@ class OrigParams(Extension):
         self.use_unsharded_views(unit, registered=unit.training_state is TrainingState.FORWARD)
 
     def use_unsharded_views(self, unit, registered: bool) -> None:
-        """Views of the full buffer (a frozen original's detached); in the forward registered too, so that
+        """Views of the full buffer (a frozen original's too, in autograd: Note (frozen originals)); in the forward
+        registered too, so that
         ``named_parameters()`` inside it yields them (full shapes, plain tensors), as torch's.
 
         Note (the backward's views): the pre-backward runs inside autograd, where a new view has no graph; a
@@ -227,9 +231,7 @@ class OrigParams(Extension):
             views = unflatten(h.view_source(), h.layout)  # (under MixedPrecision, core/handle.py's _OneCall)
             self.graph_views = views if registered else None
         self.forward_views = []
-        for slot, v in zip(h.layout.slots, views):
-            if not slot.param.requires_grad:
-                v = v.detach()
+        for slot, v in zip(h.layout.slots, views):  # a frozen one's too: not detached, as torch's
             set_tensor_attr(slot.module, slot.name, v)
             self.forward_views.append(v)
             if registered:
