@@ -99,10 +99,14 @@ class BackwardExtras(Extension):
         if unit._handle is None or not torch.is_grad_enabled():
             return
         self.calls += 1
-        call, ref, tensors = self.calls, weakref.ref(unit), []
-        _apply_to_tensors(lambda t: (t.requires_grad and tensors.append(t)) or t, output)
-        for t in tensors:
-            t.register_hook(lambda _grad: self._reached(ref(), call))
+        call, ref = self.calls, weakref.ref(unit)
+
+        def tag(t):  # hooked inside the walk: a list of the outputs would live as long as torch's walk (a
+            if t.requires_grad:  # closure cycle only the garbage collector frees), past the backward
+                t.register_hook(lambda _grad: self._reached(ref(), call))
+            return t
+
+        _apply_to_tensors(tag, output)
 
     def _reached(self, unit, call: int) -> None:
         if unit is None or call in self.reached:
