@@ -67,11 +67,12 @@ def test_program_equals_torch(outcomes, case):
 
 def test_the_ci_programs_run_to_their_end_on_both_sides(outcomes):
     """A fuzzer whose programs all raise at wrapping compares nothing: most must run every step."""
-    if len(outcomes) < len(CASES):
-        pytest.skip("needs every CI program (run the whole module)")
-    for impl in CI_SEEDS:
-        ran = [o for (i, _), o in outcomes.items() if i == impl and not any(o.errors.values())]
-        assert len(ran) >= 0.6 * len(CI_SEEDS[impl]), f"{impl}: only {len(ran)} programs ran every step"
+    for impl in CI_SEEDS:  # over the CI programs this session ran (the default tier runs the first seeds)
+        chosen = [o for (i, _), o in outcomes.items() if i == impl]
+        if len(chosen) < 8:
+            pytest.skip(f"needs at least 8 {impl} CI programs (run the whole module)")
+        ran = [o for o in chosen if not any(o.errors.values())]
+        assert len(ran) >= 0.6 * len(chosen), f"{impl}: only {len(ran)} of {len(chosen)} programs ran every step"
 
 
 # ---------------------------------------------------------------------- the programs drawn
