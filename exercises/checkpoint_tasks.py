@@ -8,8 +8,8 @@ hints are in ``exercises/README_checkpoint.md``.  Grade with::
 No process group is needed: each function is what *one* rank does with its own
 shard (4.3a) or with the files every rank wrote (4.3b).
 
-Reference solution: ``minifsdp/checkpoint/pieces.py`` (``exercises/solutions/checkpoint_tasks.py`` re-exports
-it); do not peek before you have tried.
+Reference solution: ``save_pieces`` / ``load_shard`` in ``minifsdp/checkpoint/pieces.py`` (and
+``exercises/solutions/checkpoint_tasks.py``); do not peek before you have tried.
 """
 
 from __future__ import annotations

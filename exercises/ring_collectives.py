@@ -30,9 +30,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -
         group: the process group (None: all ranks).
 
     Afterwards, on rank ``r``: ``output == sum over ranks of their input chunk r``.
-    Do it in N-1 ring steps: at step ``s`` rank ``r`` sends its running sum of chunk
-    ``(r - s - 1) % N`` to rank ``r + 1`` and receives chunk ``(r - s - 2) % N`` from
-    rank ``r - 1``, adding its own input chunk to what it received.
+    Do it in N-1 ring steps, each sending a running sum to rank ``r + 1`` and receiving one from
+    rank ``r - 1``; which chunk when is yours to read off the picture (README_ring.md's questions).
     """
     raise NotImplementedError("Task 2.2a: ring_reduce_scatter -- see exercises/README_ring.md")
 
@@ -45,9 +44,8 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> No
         input: this rank's ``m`` elements.
         group: the process group (None: all ranks).
 
-    Do it in N-1 ring steps: put your own input in chunk ``r`` of ``output``; at step
-    ``s`` send chunk ``(r - s) % N`` to rank ``r + 1`` and receive chunk ``(r - s - 1) % N``
-    from rank ``r - 1``, straight into ``output``.
+    Do it in N-1 ring steps: put your own input in chunk ``r`` of ``output``; then every chunk
+    travels once around the ring, received straight into ``output`` (which chunk when: the picture).
     """
     raise NotImplementedError("Task 2.2b: ring_all_gather -- see exercises/README_ring.md")
 

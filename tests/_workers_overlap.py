@@ -348,8 +348,12 @@ def prefetch_worker():
     recorded from both: ours from our tracer's "all-gather issued" events (and, as a check
     of the tracer, from the c10d ops), torch's from the c10d ops (:class:`CollectiveLog`).
     """
-    from minifsdp.fsdp.core.prefetch import alive_units
+    from minifsdp.fsdp.core.state import HandleState
     from minifsdp.fsdp.core.units import units
+
+    def alive_units(every: list) -> int:  # non-root units whose full parameters are gathered or on their way
+        return sum(1 for u in every[1:] if u._handle is not None and u._handle.sharded
+                   and u._handle.state is not HandleState.SHARDED)
     from minifsdp.tools.tracing import Tracer
 
     out = {}

@@ -205,10 +205,12 @@ def frozen_units_worker(backward_prefetch: str | None, use_orig_params: bool) ->
 
 
 # ---------------------------------------------------------------------- 3. a weight tied across units
-def _gpt_with_head_unit():
-    """TinyGPT (tok_emb.weight tied to lm_head.weight); the policy makes each Block and lm_head a unit."""
+def _gpt_with_head_unit(own: str = "lm_head"):
+    """TinyGPT (tok_emb.weight tied to lm_head.weight); the policy makes each Block and ``own`` (``lm_head``,
+    ``tok_emb``, or both: ``tok_emb+lm_head``) a unit."""
     model = TinyGPT(GPTConfig.tiny(), seed=0)
-    model.lm_head._own_unit = True
+    for name in own.split("+"):
+        getattr(model, name)._own_unit = True
     return model, (lambda m: isinstance(m, GPTBlock) or getattr(m, "_own_unit", False))
 
 
@@ -218,16 +220,16 @@ def _tokens(step: int, rank: int):
     return torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g)
 
 
-def tied_across_units_worker(use_orig_params: bool) -> dict:
-    """3 AdamW steps with lm_head its own unit; losses, full parameters, state dict, warnings or the error."""
+def tied_across_units_worker(use_orig_params: bool, strategy: str = "FULL_SHARD", own: str = "lm_head") -> dict:
+    """3 AdamW steps with ``own`` its own unit; losses, full parameters, state dict, warnings or the error."""
     rank = dist.get_rank()
     out = {}
     for side in SIDES:
-        model, policy = _gpt_with_head_unit()
+        model, policy = _gpt_with_head_unit(own)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                model = _wrap(side, model, policy=policy, use_orig_params=use_orig_params)
+                model = _wrap(side, model, strategy, policy=policy, use_orig_params=use_orig_params)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
                 losses = []
                 for step in range(STEPS):
@@ -243,6 +245,11 @@ def tied_across_units_worker(use_orig_params: bool) -> dict:
         out[side] = dict(losses=losses, full=_full_named(model), state_dict={k: v.clone() for k, v in sd.items()},
                          warnings=[str(w.message) for w in caught if "tied" in str(w.message)])
     return out
+
+
+def tied_across_units_cases(cases) -> list[dict]:
+    """:func:`tied_across_units_worker` for each (use_orig_params, strategy, own) in ``cases``, one spawn."""
+    return [tied_across_units_worker(*case) for case in cases]
 
 
 # ---------------------------------------------------------------------- 4. all-gathers under no_sync

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy, StateDictType
+from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from minifsdp.fuzz.record import CollectiveRecorder
 from tests._workers_overlap import CollectiveLog
 from tests._workers_torch_api import Side
 from tests._workers_torch_api_more import _PlainRoot
@@ -50,8 +51,47 @@ class _Block(nn.Module):
         return self.inner(torch.relu(self.fc(x)))
 
 
+class _NormBlock(nn.Module):
+    """A unit with a Linear of its own and a BatchNorm that a MixedPrecision run wraps in a unit of its own inside
+    it (both FSDPs: ``MixedPrecision._module_classes_to_ignore``)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(d_in, d_out), nn.BatchNorm1d(d_out)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.fc(x)))
+
+
+class _Spare(nn.Module):
+    """A unit whose only gradient path is a frozen Linear (``fc``, frozen before wrapping); ``spare`` (trainable)
+    never runs.  With use_orig_params, torch's views of a frozen original are not detached: its gradient reaches
+    the flat parameter, and the unit reduce-scatters."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.spare = nn.Linear(5, 13), nn.Linear(13, 5)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class _CalledTwice(nn.Module):
+    """Linear units, the first called again after the others: a forward prefetch from its second call must not
+    gather the unit after it again (its forward is done)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(5, 5), nn.Linear(5, 13), nn.Linear(13, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.d(torch.relu(self.a(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))))
+
+
 # shape -> (builder, wrap policy); flat sizes at 2 ranks (padded): linears 78, 154, 36 (root none);
-# root_params 78, 154 and the root 36; nested: root 102 (5x13 + 7x3 Linears), block 154, inner 84
+# root_params 78, 154 and the root 36; nested: root 102 (5x13 + 7x3 Linears), block 154, inner 84;
+# norm_blocks (under MixedPrecision, each BatchNorm a unit inside its block): 78, 26, 154, 22 and the root 36;
+# called_twice: 30 (called twice), 78, 70, 18 (root none); spare (use_orig_params): 158 and the root 44
 SHAPES = {
     "linears": (lambda: nn.Sequential(nn.Linear(5, 13), nn.ReLU(), nn.Linear(13, 11), nn.ReLU(), nn.Linear(11, 3)),
                 lambda: ModuleWrapPolicy({nn.Linear})),
@@ -59,6 +99,10 @@ SHAPES = {
                     lambda: ModuleWrapPolicy({_Unit})),
     "nested": (lambda: nn.Sequential(nn.Linear(5, 13), nn.ReLU(), _Block(), nn.ReLU(), nn.Linear(7, 3)),
                lambda: ModuleWrapPolicy({_Block, _Unit})),
+    "norm_blocks": (lambda: nn.Sequential(_NormBlock(5, 13), _NormBlock(13, 11), nn.Linear(11, 3)),
+                    lambda: ModuleWrapPolicy({_NormBlock})),
+    "called_twice": (_CalledTwice, lambda: ModuleWrapPolicy({nn.Linear})),
+    "spare": (lambda: nn.Sequential(_Spare(), nn.Linear(13, 3)), lambda: ModuleWrapPolicy({_Spare})),
 }
 
 
@@ -89,26 +133,65 @@ def _grads(model) -> list:
 # ---------------------------------------------------------------------- 1. the order of collectives
 PREFETCH = {"BACKWARD_PRE": BackwardPrefetch.BACKWARD_PRE, "BACKWARD_POST": BackwardPrefetch.BACKWARD_POST,
             "None": None}
-EXTRAS = {"default": {}, "forward_prefetch": dict(forward_prefetch=True), "no_limit": dict(limit_all_gathers=False)}
-ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in SHAPES for strategy in ("FULL_SHARD", "SHARD_GRAD_OP")
-               for prefetch in PREFETCH for extra in EXTRAS
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+EXTRAS = {"default": {}, "forward_prefetch": dict(forward_prefetch=True), "no_limit": dict(limit_all_gathers=False),
+          "bf16": dict(mixed_precision=BF16),
+          "bf16_forward_prefetch": dict(mixed_precision=BF16, forward_prefetch=True),
+          "forward_prefetch_two_forwards": dict(forward_prefetch=True),  # (the model runs twice before each backward)
+          "frozen_first": {}, "frozen_first_orig": dict(use_orig_params=True),  # (the first Linear frozen)
+          "summon_with_grads": dict(use_orig_params=True),  # (summon_full_params(with_grads=True) after the backward)
+          "frozen_fc_orig": dict(use_orig_params=True),  # (_Spare's fc frozen)
+          # (before each step's forward: a forward under no_grad, then summon_full_params with an edit written back)
+          "summon_edit_after_no_grad": dict(use_orig_params=True)}
+ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in ("linears", "root_params", "nested")
+               for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in PREFETCH
+               for extra in ("default", "forward_prefetch", "no_limit")
                if extra != "no_limit" or strategy == "FULL_SHARD"]  # SHARD_GRAD_OP gathers nothing in the backward
-ORDER_STEPS = 2  # the second step is the first with an order recorded (forward_prefetch follows it)
+# a unit with parameters of its own around a nested one, twice: a pre-backward finds two units gathered
+ORDER_CASES += [("norm_blocks", "FULL_SHARD", "BACKWARD_PRE", extra) for extra in ("bf16", "bf16_forward_prefetch")]
+# the second forward's prefetch makes views of units that still await the first forward's backward
+ORDER_CASES += [("linears", "FULL_SHARD", "BACKWARD_PRE", "forward_prefetch_two_forwards")]
+# a unit called twice in one forward: its second call's forward prefetch finds the next unit's forward done
+ORDER_CASES += [("called_twice", "FULL_SHARD", "BACKWARD_PRE", "forward_prefetch")]
+# a unit the backward never reaches (frozen, its input needs no gradient): SHARD_GRAD_OP keeps what its forward
+# gathered into the next step (with use_orig_params, whose forward kept its full views, it is freed), as torch's
+ORDER_CASES += [("linears", "SHARD_GRAD_OP", "BACKWARD_PRE", extra) for extra in ("frozen_first", "frozen_first_orig")]
+# summon_full_params(with_grads=True): unit by unit, its parameters, the count of ranks without a gradient, the gradient
+ORDER_CASES += [("root_params", "FULL_SHARD", "BACKWARD_PRE", "summon_with_grads")]
+# a unit the backward reaches only through a frozen original (use_orig_params): it reduce-scatters, as torch's
+ORDER_CASES += [("spare", "FULL_SHARD", "BACKWARD_PRE", "frozen_fc_orig")]
+# SHARD_GRAD_OP keeps what a no_grad forward gathered; an edit inside summon_full_params is written back to the
+# shard and is in the kept buffer too: the next forward gathers nothing, as torch's
+ORDER_CASES += [("linears", "SHARD_GRAD_OP", "BACKWARD_PRE", "summon_edit_after_no_grad")]
+ORDER_STEPS = 3  # the 2nd step is the first with an order recorded (forward_prefetch follows it), the 3rd repeats it
 
 
 def case_order(api: Side, shape: str, strategy: str, prefetch: str, extra: str) -> dict:
-    """2 SGD steps; per step, the (kind, numel) of every all-gather and reduce-scatter in the forward and in the
-    backward, in the order this rank issued them; the losses and the full parameters after."""
-    model = build(api, shape, sharding_strategy=ShardingStrategy[strategy], backward_prefetch=PREFETCH[prefetch],
-                  **EXTRAS[extra])
+    """``ORDER_STEPS`` SGD steps; per step, the (kind, numel) of every all-gather and reduce-scatter in the forward
+    (or the two forwards) and in the backward, in the order this rank issued them; the losses and the full
+    parameters after."""
+    freeze = (lambda m: _first_linear(m).requires_grad_(False)) if extra.startswith("frozen") else None
+    model = build(api, shape, freeze=freeze, sharding_strategy=ShardingStrategy[strategy],
+                  backward_prefetch=PREFETCH[prefetch], **EXTRAS[extra])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     out = {"forward": [], "backward": [], "losses": []}
     for step in range(ORDER_STEPS):
         x, y = batch(step, dist.get_rank())
+        if extra == "summon_edit_after_no_grad":
+            with torch.no_grad():
+                model(x)
+            with api.FSDP.summon_full_params(model, writeback=True), torch.no_grad():
+                next(iter(model.parameters())).add_(0.5)
         with CollectiveLog() as fwd:
-            loss = F.mse_loss(model(x), y)
+            loss = F.mse_loss(model(x).float(), y)  # (bf16 under MixedPrecision)
+            if extra.endswith("two_forwards"):
+                loss = loss + F.mse_loss(model(2 * x), y)
         with CollectiveLog() as bwd:
             loss.backward()
+        if extra == "summon_with_grads":  # every kind of collective, with its dtype (the count is an int32)
+            with CollectiveRecorder() as summon, api.FSDP.summon_full_params(model, with_grads=True):
+                pass
+            out.setdefault("summon", []).append(summon.log)
         opt.step()
         opt.zero_grad()
         out["forward"].append(fwd.sized())

@@ -9,6 +9,7 @@ config classes are torch's on both sides (ours re-exports them: ``minifsdp.fsdp.
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -157,12 +158,15 @@ def case_local_state_dict(api):
     with api.FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()):
         sd = model.state_dict()
     local = {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone() for k, v in sd.items()}
+    kept = copy.deepcopy(sd)  # a snapshot: like nn.Module's, the state dict's tensors are the live parameters
     saved = full_params(api, model)
     train(model, opt, first=10)
     continued = full_params(api, model)
     api.FSDP.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)
     model.load_state_dict(sd)
-    return {"keys": list(sd), "local": local, "saved": saved, "continued": continued,
+    aliased = full_params(api, model)
+    model.load_state_dict(kept)
+    return {"keys": list(sd), "local": local, "saved": saved, "continued": continued, "aliased": aliased,
             "loaded": full_params(api, model)}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import CPUOffload
 
 from tests._workers_torch_api import Side, batch, full_params, mlp, train
 
@@ -354,6 +355,24 @@ def case_summon_with_grads_edit(api, strategy: str, writeback: bool):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     out["full"] = full_params(api, model)
     return out
+
+
+# ---------------------------------------------------------------- a wrap torch refuses, with parameter offload
+def case_offload_refused_after_torch_s_wrap_errors(api, manual: bool = False):
+    """``CPUOffload(offload_params=True)`` and a unit that mixes a frozen weight with its trainable bias
+    (use_orig_params=False): torch's wrapping raises its ValueError ('Must flatten tensors with uniform
+    requires_grad') before the offload could fail, so ours raises that, not its refusal of the offload.
+    ``manual``: the last Linear wrapped by hand first (a unit torch accepts), then the root that mixes them."""
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    offload = dict(auto_wrap=not manual, cpu_offload=CPUOffload(offload_params=True))
+
+    def wrap():
+        if manual:
+            model[4] = api.wrap(model[4], **offload)
+        api.wrap(model, **offload)
+    raised = error_line(wrap)
+    return {"wrap": raised and raised[0]}  # (None: it wrapped)
 
 
 def many(cases: list[tuple]) -> list:

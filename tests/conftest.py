@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # so `import exercises` works from a checkout
 
+from tests import _tiers  # noqa: E402 - needs ROOT on sys.path
 from tests.planted_faults import outcomes  # noqa: E402 - needs ROOT on sys.path
 
 PLANTED_FAULTS = "tests/test_planted_faults.py"
@@ -38,6 +39,10 @@ def pytest_addoption(parser):
                      help="only these graded tasks' tests, comma-separated ids of exercises/points.csv")
     parser.addoption("--course-seed", action="store", type=int, default=0,
                      help="the grading seed: the graded tests draw their inputs from it (default 0)")
+    parser.addoption("--extended", action="store_true", default=False,
+                     help="also run what the README's test command leaves out to keep CI within its budget "
+                          "(tests/_tiers.py lists it): every planted fault, every CI fuzz seed, the whole torch "
+                          "suite port, notebooks 02-04, the torchrun and browser runs")
 
 
 def pytest_configure(config):
@@ -55,8 +60,15 @@ def impl(request):
                 "(or pytest --impl=student)")
 
 
-def pytest_collection_modifyitems(items):
-    """The planted-fault checks last (a stable sort: every other test keeps its place)."""
+def pytest_collection_modifyitems(config, items):
+    """Without ``--extended``, the extended tier is deselected (``tests/_tiers.py``); the planted-fault checks
+    last (a stable sort: every other test keeps its place)."""
+    if not config.getoption("--extended"):
+        drop = [item for item in items if _tiers.extended_item(item)]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            kept = set(map(id, drop))
+            items[:] = [item for item in items if id(item) not in kept]
     items.sort(key=lambda item: item.nodeid.startswith(PLANTED_FAULTS))
 
 

@@ -43,10 +43,10 @@ import minifsdp
 from minifsdp.launch import RankFailedError
 from minifsdp.tools.course import CourseError, read_points, score
 from minifsdp.tools.course_class import grade_submissions
-from minifsdp.tools.course_copy import student_copy
 from minifsdp.tools.course_remote import LearnerError, LearnerProcess
 from minifsdp.tools.course_rules import enforce_here
 from minifsdp.tools.course_run import grade
+from tests._student_edition import student_edition
 from tests.exercises import learner_ranks
 from tests.planted_faults.outcomes import SESSION
 
@@ -150,10 +150,8 @@ def test_the_repository_earns_every_point(request):
 
 @pytest.fixture(scope="module")
 def edition(tmp_path_factory):
-    """The student edition of this checkout, as a class would get it."""
-    where = tmp_path_factory.mktemp("course") / "student"
-    student_copy(ROOT, where)
-    return where
+    """The student edition of this checkout, as a class would get it (built once per session)."""
+    return student_edition(tmp_path_factory)
 
 
 HONEST_2_3A = '''    if stage not in (0, 1, 2, 3):

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minifsdp.tools.course_cut import find_cuts
 from tests.exercises import impl_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +78,21 @@ def nccl_on_meta(monkeypatch):
     monkeypatch.setattr(answer, "collective_device", fake_device)
     monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: seen.append(t.device))
     return seen, answer
+
+
+def test_no_answer_imports_the_library_function_the_student_edition_cuts_for_it():
+    """Pasted into the student edition, such an answer would be the library's stub, which calls the answer back.
+    (Another task's cut function is fine: project-hybrid's answer runs on the library's ring, theirs in the copy.)"""
+    cut = {}
+    for c in find_cuts(ROOT):
+        cut.setdefault(c.exercise, set()).update((c.file.removesuffix(".py").replace("/", "."), lib)
+                                                 for lib, _, _ in c.functions)
+    assert sum(map(len, cut.values())) >= 10, cut
+    for path in SOLUTIONS.rglob("*.py"):
+        mine = cut.get(f"exercises/{path.relative_to(SOLUTIONS).as_posix()}", set())
+        imported = {(n.module, a.name) for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert not imported & mine, (path.name, sorted(imported & mine))
 
 
 def test_reference_clip_without_shards_all_reduces_on_the_collective_device(nccl_on_meta):

@@ -59,7 +59,7 @@ def test_tied_weight_is_stored_once():
 
 def test_alignment_for_use_orig_params():
     m = nn.Sequential(nn.Linear(3, 1), nn.Linear(1, 2))  # 3, 1, 2, 2
-    layout = aligned(build_layout(m, list(m.parameters()), world_size=2), 4)
+    layout = aligned(build_layout(m, list(m.parameters()), world_size=2), 4, 2)
     assert [s.offset for s in layout.slots] == [0, 4, 8, 12]
     views = unflatten(flatten(layout), layout)
     assert all(torch.equal(v, p) for v, p in zip(views, m.parameters()))

@@ -4,7 +4,16 @@
    (BACKWARD_PRE, BACKWARD_POST, None), with and without ``forward_prefetch`` and ``limit_all_gathers``, under
    FULL_SHARD and SHARD_GRAD_OP, on three wrap shapes: an ``nn.Sequential`` of Linears wrapped by
    ``ModuleWrapPolicy({nn.Linear})`` (a root with no parameters of its own, the common setup), a root that keeps
-   a Linear, and a unit with its own parameters around a nested unit.
+   a Linear, and a unit with its own parameters around a nested unit; and, under bf16 MixedPrecision with and
+   without ``forward_prefetch``, two such units in a row (each BatchNorm a unit of its own inside its block);
+   and the model run twice before each backward, with ``forward_prefetch``; a unit called twice in one forward, with
+   ``forward_prefetch``; a frozen first unit the backward never reaches, under SHARD_GRAD_OP (kept gathered into
+   the next step), use_orig_params False and True; a unit the backward reaches only through a frozen original
+   (use_orig_params: it reduce-scatters); under SHARD_GRAD_OP, a forward under ``no_grad`` then an edit written
+   back inside ``summon_full_params`` before each step (the kept full parameters are used, not gathered again);
+   and ``summon_full_params(with_grads=True)`` after each backward
+   (every collective with its dtype, ``minifsdp.fuzz.record.CollectiveRecorder``).  Three steps each:
+   ``forward_prefetch`` prefetches from the second on.
    Oracle: torch's c10d ops recorded in the same run (``tests/_workers_overlap.CollectiveLog``), each named by its
    numel (the units' padded flat sizes all differ); exact.  Losses and full parameters: bitwise.
 2. ``requires_grad`` changed after wrapping, both ways (frozen at wrap and unfrozen after a step, as progressive
@@ -23,6 +32,7 @@ import pytest
 
 from minifsdp import spawn
 from tests import _workers_regimes_torch as W
+from tests._selection import module_name
 from tests._workers_fsdp import assert_bitwise
 
 _REGIME_OF = {"test_collective_order_in_each_step_is_torch_s": "order",
@@ -36,7 +46,7 @@ def regimes(request):
     only = set()
     for item in request.session.items:
         regime = _REGIME_OF.get(getattr(item, "originalname", None))
-        if regime is not None and item.module.__name__ == __name__:
+        if regime is not None and module_name(item) == __name__:
             case = item.callspec.params["item" if regime == "load" else "case"]
             only.add((regime, tuple(case[:-1]) if regime == "load" else case))
     results = spawn(W.all_regimes, (tuple(W.REGIMES), only), world_size=2, timeout_s=300)
@@ -60,23 +70,16 @@ def _ids(case: tuple) -> str:
 
 
 # ---------------------------------------------------------------------- 1. the order of collectives
-_VIEWS_AT_PREFETCH = (
-    "forward_prefetch: torch makes a unit's parameter views when its all-gather completes (in the unit before's "
-    "pre-forward), ours in the unit's own pre-forward, so autograd (newer nodes first) runs torch's next "
-    "pre-backward all-gather before this unit's post-backward reduce-scatter, ours after it")
-_ORDER_XFAIL = {("linears", "FULL_SHARD", "BACKWARD_PRE", "forward_prefetch"),
-                ("linears", "FULL_SHARD", "None", "forward_prefetch"),
-                ("root_params", "FULL_SHARD", "None", "forward_prefetch")}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_VIEWS_AT_PREFETCH))
-                                  if c in _ORDER_XFAIL else c for c in W.ORDER_CASES], ids=_ids)
+@pytest.mark.parametrize("case", W.ORDER_CASES, ids=_ids)
 def test_collective_order_in_each_step_is_torch_s(regimes, case):
     for rank, (ours, theirs) in enumerate(_both(regimes, "order", case)):
         assert len(theirs["backward"]) == W.ORDER_STEPS and all(theirs["backward"])  # the recorder saw them
         for step in range(W.ORDER_STEPS):
             assert ours["forward"][step] == theirs["forward"][step], f"rank {rank} step {step} forward"
             assert ours["backward"][step] == theirs["backward"][step], f"rank {rank} step {step} backward"
+        assert ("summon" in ours) == ("summon" in theirs) == (case[-1] == "summon_with_grads")
+        for step, (o, t) in enumerate(zip(ours.get("summon", []), theirs.get("summon", []), strict=True)):
+            assert o == t, f"rank {rank} step {step} summon_full_params(with_grads=True)"
         assert_bitwise(ours["losses"], theirs["losses"], f"rank {rank} losses")
         assert_bitwise(ours["full"], theirs["full"], f"rank {rank} full parameters")
 

@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parents[1] / "minifsdp"
 # comm sits below ddp although chapter 2.2 comes after chapter 1: DDP and FSDP both send their
 # gradients through it, so it is the foundation the two build on.
 LAYERS = {
-    "minifsdp.launch": 0, "minifsdp.models": 0, "minifsdp.notebook": 0,
+    "minifsdp.launch": 0, "minifsdp.models": 0, "minifsdp.notebook": 0, "minifsdp.learner": 0,
     "minifsdp.comm": 1,
     "minifsdp.ddp": 2,
     "minifsdp.fsdp": 3, "minifsdp.memory": 3, "minifsdp.parallel": 3,

@@ -45,14 +45,16 @@ def test_sharded_state_dict_chunks_and_round_trips(orig):
 
 
 def test_local_state_dict_is_the_flat_shard_and_round_trips():
-    """Keys and local shards as torch's; loading it back restores the parameters (ours only: on CPU,
-    torch FSDP1's LOCAL load leaves the model as it was trained further, so it is no oracle for that)."""
+    """Keys and local shards as torch's; its values are views of the live flat shards, as torch's and as
+    ``nn.Module.state_dict()``'s (a dict kept and loaded after more steps loads what the model holds now);
+    a deep copy loaded back restores the parameters, on both."""
     rs = spawn(W.both, ("local_state_dict",), world_size=3)
     assert len(rs) == 3
     for r in rs:
-        assert_bitwise({k: r["ours"][k] for k in ("keys", "local")},
-                       {k: r["torch"][k] for k in ("keys", "local")})
-        assert_bitwise(r["ours"]["loaded"], r["ours"]["saved"], "loaded vs saved")
+        assert_bitwise({k: r["ours"][k] for k in ("keys", "local", "aliased", "loaded")},
+                       {k: r["torch"][k] for k in ("keys", "local", "aliased", "loaded")})
+        assert_bitwise(r["ours"]["aliased"], r["ours"]["continued"], "the kept dict's views: the model as it is")
+        assert_bitwise(r["ours"]["loaded"], r["ours"]["saved"], "a deep copy loaded back")
         assert not all(torch.equal(a[1], b[1]) for a, b in zip(r["ours"]["loaded"], r["ours"]["continued"]))
     assert rs[0]["ours"]["keys"] == ["_flat_param", "0._flat_param", "2._flat_param"]
 

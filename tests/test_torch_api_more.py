@@ -218,7 +218,8 @@ def test_summon_with_grads_edits_as_torch(strategy, writeback):
 
 # ---------------------------------------------------------------- the same cases at 1 and 3 ranks
 AT_ANY_WORLD = ([("plain_root_state_dict", k, o) for k, o in PLAIN_ROOT]
-                + [("two_optimizers", s) for s in TWO_OPTIMIZERS])
+                + [("two_optimizers", s) for s in TWO_OPTIMIZERS]
+                + [("offload_refused_after_torch_s_wrap_errors", manual) for manual in (False, True)])
 _AT_WORLD: dict = {}
 
 
@@ -232,7 +233,9 @@ def _at_world(world: int) -> list:
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("case", AT_ANY_WORLD, ids=lambda c: "-".join(map(str, c)))
 def test_plain_root_and_two_optimizers_as_torch_at_one_and_three_ranks(case, world):
-    """The plain-root state-dict cases and the two-optimizer cases above, at 1 rank (FULL_SHARD becomes NO_SHARD)
+    """The plain-root state-dict cases and the two-optimizer cases above, and a wrap with parameter offload that
+    torch refuses for another reason first (ours raises torch's error; also where a unit wrapped by hand
+    before it holds the offload), at 1 rank (FULL_SHARD becomes NO_SHARD)
     and at 3 (Linear(5, 13) and Linear(13, 11) straddle shards no size divides).  Oracle: torch FSDP1 on the same
     ranks; bitwise.  At 1 rank each state-dict value that torch gives as a whole tensor is one in ours too."""
     results = _at_world(world)
@@ -247,6 +250,8 @@ def test_plain_root_and_two_optimizers_as_torch_at_one_and_three_ranks(case, wor
             assert_bitwise(_without_value_kinds(r["ours"]), _without_value_kinds(r["torch"]), f"rank {rank}")
             assert r["ours"]["result"] == ([], []) and r["ours"]["missing_lax"] == ["plain.bias"]
             assert r["ours"]["resumed_losses"] == r["ours"]["more_losses"]
+        elif case[0] == "offload_refused_after_torch_s_wrap_errors":  # torch's wrap-time error comes first
+            assert r["ours"] == r["torch"] == {"wrap": "ValueError"}, f"rank {rank}"
         else:
             assert_bitwise(r["ours"], r["torch"], f"rank {rank}")
             assert len(r["ours"]["losses"]) == 3 and len(r["ours"]["grads"][0]) == 6

@@ -3,16 +3,15 @@
 4.4a: the forward of Megatron's row-parallel Linear, N ranks simulated in one process, with the math of our
 ``RowwiseParallel`` (``minifsdp/parallel/tensor_parallel.py``): rank r multiplies its slice of the input's
 last dimension by the same columns of the weight, the all-reduce sums the partials in rank order, and the
-whole bias is added once, after the sum.  4.4b: ``action_order("1f1b", ...)`` of
-``minifsdp/parallel/pipeline_schedules.py`` with the checks torch's ``Schedule1F1B`` makes.
+whole bias is added once, after the sum.  4.4b: stage s of S runs S - s - 1 warm-up forwards (what it can
+start before the first backward comes back to it), then a forward and a backward in turn, then the backwards
+left, with the checks torch's ``Schedule1F1B`` makes (``minifsdp/parallel/pipeline_schedules.py`` runs it).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from minifsdp.parallel.pipeline_schedules import action_order
 
 __all__ = ["row_parallel_linear", "one_f_one_b_order"]
 
@@ -39,4 +38,8 @@ def one_f_one_b_order(stage_index: int, num_stages: int, n_microbatches: int) ->
         raise ValueError(f"stage_index {stage_index} not in 0..{num_stages - 1}")
     if n_microbatches < num_stages:
         raise ValueError(f"1F1B needs n_microbatches >= num_stages, got {n_microbatches} < {num_stages}")
-    return action_order("1f1b", stage_index, num_stages, n_microbatches)
+    warmup = num_stages - stage_index - 1
+    order = [f"F{m}" for m in range(warmup)]
+    for m in range(n_microbatches - warmup):
+        order += [f"F{warmup + m}", f"B{m}"]  # steady state: the next forward, then the oldest backward
+    return order + [f"B{m}" for m in range(n_microbatches - warmup, n_microbatches)]

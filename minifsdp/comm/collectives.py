@@ -48,6 +48,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minifsdp.comm import naive, ring
 from minifsdp.comm.checks import OPS, check_ready
@@ -151,7 +152,9 @@ def letting_go(call, tensors: tuple, async_op: bool):
     return None
 
 
-TORCH_FSDP_COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single")  # what FSDP1 and FSDP2 call
+# what torch 2.13's FSDP1 and FSDP2 call: all_reduce (NO_SHARD, HSDP, clipping), reduce_scatter_single (both),
+# all_gather_single (FSDP2; FSDP1 on a GPU), all_gather into a list of chunks (FSDP1 on the CPU)
+TORCH_FSDP_COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "all_gather")
 
 
 @contextlib.contextmanager
@@ -160,13 +163,24 @@ def torch_lets_go(names: tuple = TORCH_FSDP_COLLECTIVES):
     :func:`letting_go`, so their ``wait()`` returns once gloo has let go of the tensors.  For an instrument that
     counts live bytes on torch's side (the census): without it, gloo's worker thread may still hold a finished
     collective's tensors when the count runs, and torch reads high by chance (Note (torch's collectives let go
-    before ``wait()`` returns)).  Changes no number and no order; names this torch lacks are left alone."""
+    before ``wait()`` returns)).  Every tensor of the call goes through, however it is passed: positional
+    (FSDP1's ``reduce_scatter_single(out, in)``), by keyword (FSDP2's ``reduce_scatter_single(output=...,
+    input=...)``), in a list (FSDP1's ``all_gather(chunks, shard)`` on the CPU).  Changes no number and no
+    order; names this torch lacks are left alone."""
     saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def through(fn):
-        def call(*args, async_op=False, **kwargs):  # the leading tensors go through aliases, the rest as given
-            k = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
-            return letting_go(lambda *ts: fn(*ts[:-1], *args[k:], async_op=ts[-1], **kwargs), args[:k], async_op)
+        def call(*args, async_op=False, **kwargs):  # each tensor goes through an alias, the rest as given
+            leaves, spec = tree_flatten((args, kwargs))
+            at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+            def issue(*aliases):  # (holds the aliases only while it runs: the wait counts who holds them)
+                given = list(leaves)
+                for i, alias in zip(at, aliases[:-1], strict=True):
+                    given[i] = alias
+                a, kw = tree_unflatten(given, spec)
+                return fn(*a, async_op=aliases[-1], **kw)
+            return letting_go(issue, tuple(leaves[i] for i in at), async_op)
         return call
 
     for name, fn in saved.items():

@@ -92,6 +92,7 @@ def _chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
     return [flat[start:stop] for start, stop in chunk_bounds(flat.numel(), n)]
 
 
+# >>> student edition: cut; exercises/ring_collectives.py runs here (tasks 2.2a-c)
 def _reduce_scatter(group, chunks: list[torch.Tensor], out: torch.Tensor) -> None:
     """``out`` (rank r's) becomes the sum over ranks of their ``chunks[r]``; ``chunks`` are only read.
 
@@ -147,3 +148,4 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None) -> None:
     if op == "avg":
         chunks[r].div_(n)  # divided once, by its owner: every rank gets the same bits
     _all_gather(group, chunks)
+# <<< student edition

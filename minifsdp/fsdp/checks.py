@@ -46,6 +46,8 @@ class Flattened:
     name: str
     fqn: str
     still_trains: bool
+    sharded: bool = True  # between uses its unit holds a 1-D piece of it (not NO_SHARD's whole tensor)
+    replicas: int = 1  # ranks holding the same piece, whose gradients are averaged (NO_SHARD: every rank)
 
 
 def check_same_on_all_ranks(groups, module, params, buffers) -> None:
@@ -155,17 +157,23 @@ def _outside_units(module: nn.Module, prefix: str = ""):
 
 
 def check_ties_across_units(module: nn.Module, use_orig_params: bool) -> None:
-    """Before ``module`` becomes a unit: a parameter of its own that a nested unit already flattened.
+    """Before ``module`` becomes a unit: a parameter of its own that another unit already flattened.
 
     That is a weight tied across units (``lm_head`` wrapped on its own, ``tok_emb`` left
     here).  torch FSDP1 (``_init_utils._get_orig_params``, ``_flat_param.py``):
 
-    * ``use_orig_params=False``: the nested unit puts no mark on the parameter, so this
+    * ``use_orig_params=False``: the other unit puts no mark on the parameter, so this
       unit flattens it again: two copies, equal at the start, each trained by its own
       use's gradient; the tie is broken, silently.  We do the same, and warn.
-    * ``use_orig_params=True``: it is marked flattened, so this unit skips it and the
-      outer module is left holding the nested unit's 1-D shard: torch fails at the
-      forward (``'weight' must be 2-D``).  We refuse here, naming both and the fix.
+    * ``use_orig_params=True``: it is marked flattened, so this unit skips it and its
+      module keeps the original, whose ``.data`` the other unit sets.  Sharded, that is the
+      1-D piece of the shard between uses: torch fails at the forward (``'weight' must be
+      2-D``); we refuse here, naming both and the fix.  NO_SHARD (one rank too, where
+      every strategy is NO_SHARD) keeps the whole tensor, so it trains tied, as torch:
+      this use's gradient lands in the original's ``.grad``, which the other unit's
+      write-back folds into its flat gradient before its pre-backward, or, arriving
+      after that unit's post-backward, is added into the view of its gradient.  On more
+      than one rank that late part misses the all-reduce (torch's too): we warn.
     """
     names = {id(m): clean_name(n) for n, m in module.named_modules()}
     for prefix, m in _outside_units(module):
@@ -178,11 +186,19 @@ def check_ties_across_units(module: nn.Module, use_orig_params: bool) -> None:
             there = f"{owner}.{where.name}" if owner else where.name
             fix = (f"wrap the modules that share it in one unit (do not wrap the module of '{there}' on its own), "
                    "or untie them")
+            if use_orig_params and not where.sharded:
+                if where.replicas > 1:
+                    warnings.warn(
+                        f"FSDP(use_orig_params=True, NO_SHARD): '{here}' is the same parameter as '{there}', which "
+                        "another unit flattened; it trains tied, but a use whose gradient arrives after that unit's "
+                        "all-reduce is not averaged across ranks (torch FSDP1 the same), so the replicas drift. "
+                        f"To train it tied on every rank alike, {fix}.", stacklevel=3)
+                continue
             if use_orig_params:
                 raise ValueError(
-                    f"FSDP(use_orig_params=True): '{here}' is the same parameter as '{there}', which a nested FSDP "
-                    f"unit already flattened; a parameter tied across units is not supported (torch FSDP1 fails "
-                    f"at the forward with \"'weight' must be 2-D\"). To train it tied, {fix}."
+                    f"FSDP(use_orig_params=True): '{here}' is the same parameter as '{there}', which another FSDP "
+                    f"unit already flattened; a parameter tied across sharded units is not supported (torch FSDP1 "
+                    f"fails at the forward with \"'weight' must be 2-D\"). To train it tied, {fix}."
                 )
             warnings.warn(
                 f"FSDP: '{here}' is the same parameter as '{there}', which a nested FSDP unit already flattened. "

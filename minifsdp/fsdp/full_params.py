@@ -35,7 +35,8 @@ import torch.nn as nn
 from minifsdp.comm.devices import collective_device
 from minifsdp.fsdp.core.flat_param import unflatten
 from minifsdp.fsdp.core.state import HandleState, TrainingState
-from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units, units_with_params
+from minifsdp.fsdp.core.units import flattened_params, is_unit, units, units_with_params
+from minifsdp.fsdp.param_pieces import state_dict_name
 
 __all__ = ["summon_full_params", "clip_grad_norm_", "grad_norm", "full_state_dict"]
 
@@ -102,7 +103,8 @@ def _summoned(unit, writeback: bool, shown: bool):
         with full_precision(h) if h is not None else contextlib.nullcontext():  # fp32, never a low-precision copy
             if h is not None:
                 unit._extensions.before_unshard(unit, False)
-                h.unshard()
+                h.start_unshard()
+                h.wait_unshard()
                 if shown:
                     show_full_params(h)
                     unit._extensions.after_unshard(unit)
@@ -118,6 +120,8 @@ def _summoned(unit, writeback: bool, shown: bool):
         if h is not None and shown:
             hide_full_params(h)
             unit._extensions.after_reshard(unit)
+            if kept and writeback:  # the kept buffer holds what the shard now holds (an edit written back): no
+                h.gathered_from = h.shard_version()  # gather again at the next use (torch never gathers a kept one)
     finally:
         unit.training_state = before
 
@@ -207,4 +211,4 @@ def full_state_dict(module: nn.Module) -> "OrderedDict[str, torch.Tensor]":
     and copied before the full parameters are freed.  (``minifsdp.FSDP`` gathers one unit at a time instead, as
     torch does, so that only the units on one path from the root are whole at once: ``full_state_dict.py``.)"""
     with summon_full_params(module, writeback=False):
-        return OrderedDict((clean_name(k), v.detach().clone()) for k, v in nn.Module.state_dict(module).items())
+        return OrderedDict((state_dict_name(k), v.detach().clone()) for k, v in nn.Module.state_dict(module).items())

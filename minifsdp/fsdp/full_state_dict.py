@@ -23,8 +23,9 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from minifsdp.fsdp.core.units import clean_name, flattened_params, is_unit, units_with_params
+from minifsdp.fsdp.core.units import flattened_params, is_unit, units_with_params
 from minifsdp.fsdp.full_params import shows_full_params, summon_full_params
+from minifsdp.fsdp.param_pieces import state_dict_name
 
 __all__ = ["full_state_dict", "load_full_state_dict_into_shards", "buffer_dtype_of"]
 
@@ -86,10 +87,10 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False, transform=None)
                 else:  # gathered ones are freed after: copied
                     full = p.detach().clone()
                     clones[id(p)] = (p, transform(full) if transform is not None else full)
-            out[clean_name(prefix + name)] = clones[id(p)][1]
+            out[state_dict_name(prefix + name)] = clones[id(p)][1]
         for name in _persistent_buffers(m) if id(m) not in no_buffers else []:  # in its dtype before
             b = m._buffers[name]  # buffer_dtype's cast, as torch
-            out[clean_name(prefix + name)] = b.detach().to(buffer_dtype_of(module, m, name, b))
+            out[state_dict_name(prefix + name)] = b.detach().to(buffer_dtype_of(module, m, name, b))
 
     with torch.no_grad():
         _walk(module, visit, gather=True, rank0_only=rank0_only)
@@ -103,8 +104,8 @@ def load_full_state_dict_into_shards(module: nn.Module, state_dict) -> None:
 
     def load(m, prefix):
         for name in _param_names(m, {}, flat_ids) + _persistent_buffers(m):
-            if clean_name(prefix + name) in state_dict:
-                getattr(m, name).copy_(state_dict[clean_name(prefix + name)])
+            if state_dict_name(prefix + name) in state_dict:
+                getattr(m, name).copy_(state_dict[state_dict_name(prefix + name)])
 
     with torch.no_grad():
         _walk(module, load, gather=True, writeback=True)

@@ -44,6 +44,7 @@ Each unit gets its own extensions, in this order, at these points of the step (`
                                       themselves in summon_full_params; a zero_grad() on the originals
                      after_reshard    the originals as views of the shard (SHARD_GRAD_OP: the forward's views kept)
                      after_reduce     each original's .grad, a view of the shard's; optimizers in backward
+                     after_backward   a unit that kept the forward's views, never reached by the backward: freed
 
 Before the core wraps (in ``__init__``, no extension needed): auto-wrapping around ignored modules and
 ``MixedPrecision._module_classes_to_ignore`` (``torch_options.py``), a meta-device model, ``device_id``.
@@ -70,7 +71,7 @@ from minifsdp.fsdp.core.units import clean_name, is_unit, units, units_with_para
 from minifsdp.fsdp.dtype_change import flat_param_registered
 from minifsdp.fsdp.full_params import clip_grad_norm_ as clip_core
 from minifsdp.fsdp.full_params import summon_full_params as summon_core
-from minifsdp.fsdp.orig_params import OrigParams, restore_grads, show_full_grads
+from minifsdp.fsdp.orig_params import OrigParams, drop_full_grads, restore_grads, show_full_grads
 from minifsdp.fsdp.torch_extension import TorchExtension
 from minifsdp.fsdp.torch_options import MixedPrecision
 
@@ -88,7 +89,6 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     on exit, updated from the full ones with ``writeback`` (an edit inside is kept, as torch).
     ``offload_to_cpu``: the full parameters are on the CPU already when the model is.
     """
-    inside = units_with_params(module) if recurse else [module] if is_unit(module) and module._handle else []
     if with_grads and (offload_to_cpu or any(not getattr(u, "use_orig_params", False)
                                              for u in units_with_params(module))):
         raise NotImplementedError("summon_full_params(with_grads=True) needs use_orig_params=True and "
@@ -96,19 +96,17 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     if offload_to_cpu and any(u._handle.flat_param.device.type != "cpu" for u in units_with_params(module)):
         raise NotImplementedError("summon_full_params(offload_to_cpu=True) on an accelerator is not implemented "
                                   "in minifsdp: pass offload_to_cpu=False")
-    grads = []
-    try:
-        with summon_core(module, recurse, writeback, rank0_only):
-            grads = [show_full_grads(u._handle) for u in inside] if with_grads else []
-            try:
-                yield
-            finally:
-                for u in inside if with_grads else []:  # the full gradients go first: .data and .grad must agree
-                    for slot in u._handle.layout.slots if u._handle.sharded else []:  # (NO_SHARD's stay)
-                        slot.param.grad = None
-    finally:
-        for u, before in zip(inside, grads):
-            restore_grads(u._handle, before, writeback)
+    saved = {}
+    with contextlib.ExitStack() as stack:  # unit by unit, as torch: its parameters, then its gradients
+        for u in units(module) if recurse else [module] if is_unit(module) else []:
+            h = u._handle if with_grads else None
+            if h is not None:  # exits last: the shards' gradients back once .data is the shard again
+                stack.callback(lambda h=h: restore_grads(h, saved.get(h), writeback))
+            stack.enter_context(summon_core(u, False, writeback, rank0_only))
+            if h is not None:
+                saved[h] = show_full_grads(h)
+                stack.callback(drop_full_grads, h)  # exits first: .data and .grad must agree
+        yield
 
 
 class FullyShardedDataParallel(core.FullyShardedDataParallel):
@@ -122,7 +120,9 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         sync_module_states: copy rank 0's parameters and buffers to every rank at wrap time, unit by unit
             (on CPU too: torch FSDP1's needs a GPU).
         use_orig_params: show the original parameters (views of the local shard): ``orig_params.py``.
-        device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.
+        device_mesh: a 1-D mesh, or 2-D (replicate, shard) for HYBRID_SHARD.  HYBRID_SHARD with neither this
+            nor ``process_group`` (and an ``auto_wrap_policy``): torch's groups, one shard group per node
+            (``torch_options.node_groups``).
     """
 
     def __init__(self, module: nn.Module, process_group=None, sharding_strategy=ShardingStrategy.FULL_SHARD,
@@ -137,7 +137,6 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         sharding_strategy = opts.normalize_strategy(sharding_strategy)
         backward_prefetch = opts.normalize_prefetch(backward_prefetch)
         mixed_precision = opts.normalize_mixed_precision(mixed_precision)
-        opts.check_cpu_offload(cpu_offload)
         ignored_mods, ignored = opts.ignored_params(module, ignored_modules, ignored_states)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError("mixed_precision takes a MixedPrecision(param_dtype=..., reduce_dtype=...), "
@@ -145,17 +144,21 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError("backward_prefetch takes BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST "
                             f"or None, got {backward_prefetch!r}")
+        # the groups, once for the root and the units below it: a mesh's, or HYBRID's built as torch's
+        process_group = opts.mesh_process_group(sharding_strategy, process_group, device_mesh, auto_wrap_policy,
+                                                lambda: opts.devices_per_node(module, device_id))
         if auto_wrap_policy is not None:  # children first, each a unit of this class (post-order, as torch)
             check_layer_cls_matches(module, auto_wrap_policy)
             fp32 = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
             if fp32:  # as torch: those modules become their own units, without mixed precision
                 auto_wrap_policy = opts.policy_with_mp_overrides(auto_wrap_policy, fp32)
                 opts.override_mixed_precision(module, fp32)
-            child = dict(process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
+            child = dict(process_group=process_group, sharding_strategy=sharding_strategy,
+                         cpu_offload=cpu_offload,  # offload_params=True: refused at the first forward
                          backward_prefetch=backward_prefetch, param_init_fn=param_init_fn, device_id=device_id,
                          sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                          limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
-                         ignored_states=ignored or None, device_mesh=device_mesh, collectives=collectives)
+                         ignored_states=ignored or None, collectives=collectives)
             opts.wrap_children(module, auto_wrap_policy, lambda m: type(self)(
                 m, mixed_precision=None if isinstance(m, fp32) else mixed_precision, **child), ignored_mods)
         deferred_init.materialize(module, param_init_fn, device_id, ignored_mods, ignored)  # a meta-device model
@@ -165,9 +168,8 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
                       BackwardExtras(free_before_concat=not use_orig_params)]
         if use_orig_params:
             extensions.append(OrigParams())
-        super().__init__(module, opts.mesh_process_group(sharding_strategy, process_group, device_mesh),
-                         sharding_strategy, None, backward_prefetch, mixed_precision, forward_prefetch,
-                         limit_all_gathers, collectives, extensions)
+        super().__init__(module, process_group, sharding_strategy, None, backward_prefetch, mixed_precision,
+                         forward_prefetch, limit_all_gathers, collectives, extensions)
         self.use_orig_params, self.cpu_offload = use_orig_params, cpu_offload
         self.register_load_state_dict_pre_hook(sd_type.load_under_a_plain_parent)  # a plain root above us
         install_optimizer_check()

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import StateDictType
 
-from minifsdp.fsdp.core.units import units, units_with_params
+from minifsdp.fsdp.core.units import units
 from minifsdp.fsdp.param_pieces import PieceTable, piece_table
 from minifsdp.fsdp.state_dict_type import get_state_dict_type
 
@@ -119,12 +119,11 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
         if k not in d:
             d[k] = torch.zeros(shapes[fqn].numel(), dtype=v.dtype, device=v.device)
         d[k][dst:dst + v.numel()] = v
-    with_units = units_with_params(model)
-    orig = any(getattr(u, "use_orig_params", False) for u in with_units)
+    orig = any(u["use_orig_params"] for u in table.units)  # (the table's account of the units: no second walk)
     for fqn, d in state.items():
         state[fqn] = _in_torch_order({k: v.view(shapes[fqn]) if torch.is_tensor(v) and v.dim() > 0 else v
                                       for k, v in d.items()},
-                                     orig, with_units[unit_of[fqn]]._handle.sharded)
+                                     orig, table.units[unit_of[fqn]]["strategy"] != "NO_SHARD")
     state.update(local)
     if offload_to_cpu:
         state = {f: {k: v.cpu() if torch.is_tensor(v) else v for k, v in d.items()} for f, d in state.items()}

@@ -47,14 +47,25 @@ import torch.nn as nn
 from minifsdp.fsdp.core.flat_param import overlap
 from minifsdp.fsdp.core.units import clean_name, units_with_params
 
-__all__ = ["Piece", "Holder", "PieceRow", "PieceTable", "piece_table", "holders", "module_names", "key_of"]
+__all__ = ["Piece", "Holder", "PieceRow", "PieceTable", "piece_table", "holders", "module_names", "key_of",
+           "state_dict_name"]
+
+
+CHECKPOINTED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper's attribute (activation checkpointing)
+
+
+def state_dict_name(name: str) -> str:
+    """A key of any state dict: the plain model's name, without FSDP's wrapper level (``clean_name``) and without
+    the activation-checkpoint wrapper's, whose own state-dict hook drops it in torch (``CheckpointWrapper``);
+    ``named_parameters()`` keeps the latter, as torch's does inside ``summon_full_params``."""
+    return ".".join(p for p in clean_name(name).split(".") if p != CHECKPOINTED)
 
 
 def module_names(model: nn.Module) -> dict[int, str]:
     """``id(module) -> its plain name`` for every module of ``model`` (the first name, if shared)."""
     names: dict[int, str] = {}
     for n, m in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(m), clean_name(n))
+        names.setdefault(id(m), state_dict_name(n))
     return names
 
 
@@ -196,9 +207,9 @@ def piece_table(model: nn.Module, optimizer=None) -> PieceTable:
             if b is not None and b_name not in mod._non_persistent_buffers_set:
                 buffers[key_of(names, mod, b_name)] = b
     for name, p in model.named_parameters():  # the holders of the parameters FSDP leaves alone, whole
-        shapes.setdefault(clean_name(name), p.shape)
+        shapes.setdefault(state_dict_name(name), p.shape)
         if id(p) not in managed:
-            fqn, n = clean_name(name), p.numel()
+            fqn, n = state_dict_name(name), p.numel()
             piece = Piece(fqn, 0, n, 0, n)
             rows.append(PieceRow(fqn, -1, 0, tuple(p.shape), 0, n, 0, n, len(all_holders), tuple(state.get(p, {}))))
             all_holders.append(Holder(p, [piece], True))

@@ -70,8 +70,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 from minifsdp.fsdp import full_state_dict as full_sd
 from minifsdp.fsdp import pitfalls
 from minifsdp.fsdp.core.strategy import ShardingStrategy
-from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units, units_with_params
+from minifsdp.fsdp.core.units import Unit, flattened_params, units, units_with_params
 from minifsdp.fsdp.full_state_dict import full_state_dict, load_full_state_dict_into_shards
+from minifsdp.fsdp.param_pieces import state_dict_name
 
 __all__ = ["load_full_state_dict", "StateDictType", "StateDictConfig", "FullStateDictConfig",
            "ShardedStateDictConfig",
@@ -113,9 +114,9 @@ def load_full_state_dict(module: nn.Module, state_dict, strict: bool = True) -> 
 
     def expect(m, prefix):
         for name in full_sd._param_names(m, flattened, flat_ids):
-            expected[clean_name(prefix + name)] = full_shapes.get((id(m), name), getattr(m, name).shape)
+            expected[state_dict_name(prefix + name)] = full_shapes.get((id(m), name), getattr(m, name).shape)
         for name in full_sd._persistent_buffers(m):
-            expected[clean_name(prefix + name)] = m._buffers[name].shape
+            expected[state_dict_name(prefix + name)] = m._buffers[name].shape
 
     full_sd._walk(module, expect, gather=False)
     missing = [k for k in expected if k not in state_dict]
@@ -214,13 +215,13 @@ def _local_entries(root) -> list[tuple[str, nn.Module, str]]:
 
     def visit(m, prefix):
         if isinstance(m, Unit) and m._handle is not None:
-            out.append((clean_name(prefix + "_flat_param"), m, "_flat_param"))
+            out.append((state_dict_name(prefix + "_flat_param"), m, "_flat_param"))
         for name, p in m._parameters.items():
             if p is not None and id(p) not in managed:
-                out.append((clean_name(prefix + name), m, name))
+                out.append((state_dict_name(prefix + name), m, name))
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:
-                out.append((clean_name(prefix + name), m, name))
+                out.append((state_dict_name(prefix + name), m, name))
         for name, child in m._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{name}.")

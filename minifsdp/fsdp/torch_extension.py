@@ -10,8 +10,8 @@ points ``core/extension.py`` lists:
                      the same weights on every rank or ``sync_module_states``, a weight tied across units;
                      a unit mixing frozen and trainable parameters is refused unless ``use_orig_params``;
                      a mark on every original taken over (:data:`FLATTENED`, read by two checks)
-    on_lazy_init     every unit agrees on ``use_orig_params`` and ``limit_all_gathers``; the units' dtypes
-                     are fixed from now on
+    on_lazy_init     every unit agrees on ``use_orig_params`` and ``limit_all_gathers``; parameter offload
+                     is refused (``torch_options.check_cpu_offload``); the units' dtypes are fixed from now on
     before_forward   (the root) ``requires_grad`` set by the user after wrapping is read again, as
                      torch's ``_reset_flat_param_grad_info_if_needed``; a forward again before the
                      previous one's backward, after the shards changed, is refused
@@ -24,7 +24,7 @@ points ``core/extension.py`` lists:
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.distributed.utils import _apply_to_tensors
 
 from minifsdp.fsdp import pitfalls
 from minifsdp.fsdp.checks import (
@@ -40,9 +40,17 @@ from minifsdp.fsdp.core.mixed_precision import KEEP_DTYPE, resolve_dtypes
 from minifsdp.fsdp.core.state import HandleState
 from minifsdp.fsdp.core.units import units
 from minifsdp.fsdp.deferred_init import sync_module_states
-from minifsdp.fsdp.torch_options import check_homogeneous
+from minifsdp.fsdp.torch_options import check_cpu_offload, check_homogeneous
 
 __all__ = ["TorchExtension", "adopt_dtype", "check_dtype"]
+
+
+def _flattened_by_a_sibling(p) -> bool:
+    """An original another unit took over and trains as itself (use_orig_params), reached again through a module
+    of this one (a weight tied across units under NO_SHARD): torch's ``_get_orig_params`` skips it
+    (``_is_fsdp_flattened``), and so do we; this unit's module keeps it (``checks.check_ties_across_units``)."""
+    mark = getattr(p, FLATTENED, None)
+    return mark is not None and mark.still_trains
 
 
 class TorchExtension(Extension):
@@ -60,7 +68,7 @@ class TorchExtension(Extension):
         module = unit.module
         check_ties_across_units(module, self.use_orig_params)
         params = [s.param for s in layout.slots] if layout is not None else []
-        kept = [p for p in params if p not in self.ignored_params]
+        kept = [p for p in params if p not in self.ignored_params and not _flattened_by_a_sibling(p)]
         ignored_buffers = {id(b) for m in self.ignored_modules for b in m.buffers()}
         for b in (b for m in self.ignored_modules for b in m.buffers()):  # MixedPrecision leaves them as they are
             setattr(b, KEEP_DTYPE, True)
@@ -83,12 +91,15 @@ class TorchExtension(Extension):
                              "requires_grad when use_orig_params=False'). Pass use_orig_params=True, or wrap the "
                              "frozen part in its own unit.")
         for slot in layout.slots:
-            setattr(slot.param, FLATTENED, Flattened(slot.module, slot.name, slot.fqn, self.use_orig_params))
+            setattr(slot.param, FLATTENED, Flattened(slot.module, slot.name, slot.fqn, self.use_orig_params,
+                                                       unit.plan.shards_params, unit.plan.data_parallel_size))
         return layout
 
     # ------------------------------------------------------------------ the root's first forward
     def on_lazy_init(self, root) -> None:
         check_homogeneous(root._root_step.units)
+        for unit in root._root_step.units:  # where torch fails on a CPU-only machine, after its own checks
+            check_cpu_offload(getattr(unit, "cpu_offload", None))
         for unit in root._root_step.units:  # torch's lazy init: the dtypes are fixed from now on
             ext = _own(unit)
             if unit._handle is not None and ext is not None:
@@ -123,8 +134,9 @@ class TorchExtension(Extension):
             adopt_dtype(h)  # model.half() before it: gather (and compute) in the new dtype
 
     def after_forward(self, unit, output) -> None:
-        if unit.is_root and torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]):
+        grads = []  # whether each output tensor needs a gradient, in the core's walk (flags: see its hooks)
+        _apply_to_tensors(lambda t: grads.append(t.requires_grad) or t, output)
+        if unit.is_root and torch.is_grad_enabled() and any(grads):
             self.versions_at_forward = _shard_versions(unit._root_step.units)
 
     def after_backward(self, unit) -> None:

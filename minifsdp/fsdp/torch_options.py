@@ -8,11 +8,15 @@
     auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=...)
                                      torch's other policy (the core's wrap.py has the transformer one)
     device_mesh=init_device_mesh(...) the process group(s) the core takes (HYBRID: (shard, replicate))
+    HYBRID_SHARD, no process_group   torch's groups, built once at the root and shared by the units below it
+    and no device_mesh               (:func:`node_groups`): a shard group per node, a node being as many ranks
+                                     as the device has devices (``torch.cuda.device_count()``; on the CPU 1)
     sharding_strategy=None           FULL_SHARD (torch reads None so)
     torch's ShardingStrategy, BackwardPrefetch, MixedPrecision
                                      ours, by name / by field (the same meaning)
     cpu_offload=CPUOffload()         nothing to do (offload_params=False)
-    CPUOffload(offload_params=True)  refused (RuntimeError, as torch on a CPU-only machine), naming the fix
+    CPUOffload(offload_params=True)  refused (RuntimeError, as torch on a CPU-only machine), naming the fix,
+                                     at the root's first forward, where torch fails (:func:`check_cpu_offload`)
     ignored_modules / ignored_states their parameters and buffers stay as they are: not flattened,
                                      not sharded, not reduced, not checked; auto-wrap skips them
     nested units that differ in use_orig_params / limit_all_gathers: refused at the root's first
@@ -36,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffload  # torch's own class, re-exported (as state_dict_type.py's)
+from torch.distributed.utils import _apply_to_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import tree_flatten
 
 from minifsdp.fsdp.core import mixed_precision as core_mp
 from minifsdp.fsdp.core.mixed_precision import cast_floating
@@ -46,7 +50,9 @@ from minifsdp.fsdp.core.strategy import ShardingPlan, ShardingStrategy
 from minifsdp.fsdp.core.units import flattened_params, is_unit
 
 __all__ = ["CPUOffload", "MixedPrecision", "size_based_auto_wrap_policy", "hybrid_groups", "mesh_process_group",
+           "node_groups", "devices_per_node",
            "normalize_strategy", "normalize_prefetch", "normalize_mixed_precision", "check_cpu_offload",
+           "offloads_params",
            "check_homogeneous", "ignored_params", "wrap_children", "policy_with_mp_overrides",
            "override_mixed_precision"]
 
@@ -97,13 +103,45 @@ def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup
     return mine["shard"], mine["replicate"]
 
 
-def mesh_process_group(strategy: ShardingStrategy, process_group, device_mesh):
+def devices_per_node(module: nn.Module, device_id=None) -> int:
+    """How many ranks torch FSDP1 puts on a node: the count of ``device_id``'s kind of device, else of the first
+    parameter not on the CPU (``_init_utils.py``'s ``_init_device_handle``, then ``device_count()``).  On the CPU
+    ``torch.cpu.device_count()`` is 1: every rank is a node of its own."""
+    if device_id is not None:
+        kind = "cuda" if isinstance(device_id, int) else torch.device(device_id).type
+    else:
+        kind = next((p.device.type for p in module.parameters() if p.device.type not in ("cpu", "meta")), "cpu")
+    return getattr(torch, kind).device_count()
+
+
+def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """HYBRID_SHARD's groups when none are given, as torch FSDP1 builds them (``_init_utils.py``'s
+    ``_init_intra_and_inter_node_groups``): shard inside a node (ranks 0..n-1, n..2n-1, ...), replicate across
+    nodes (the ranks with the same place in theirs).  Collective; the root builds them once, its units share them.
+
+    On the CPU (n = 1) each shard group is one rank: HYBRID_SHARD shards nothing there, and
+    :func:`~minifsdp.fsdp.pitfalls.warn_hybrid_shard_of_one` says what that means on torch and on ours."""
+    return hybrid_groups(ranks_per_node)
+
+
+def mesh_process_group(strategy: ShardingStrategy, process_group, device_mesh, auto_wrap_policy=None,
+                       ranks_per_node=None):
     """torch's ``device_mesh=`` as the ``process_group`` the core takes: a 1-D mesh's group, or a 2-D
-    (replicate, shard) mesh's ``(shard_group, replicate_group)`` for HYBRID_SHARD."""
+    (replicate, shard) mesh's ``(shard_group, replicate_group)`` for HYBRID_SHARD.  HYBRID_SHARD given neither
+    groups nor a mesh: :func:`node_groups` (``ranks_per_node()`` of them) with an ``auto_wrap_policy``, else
+    torch's error (``_init_utils.py``'s ``_init_process_group_state``)."""
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("Cannot pass both process_group and device_mesh at the same time. Please just pass "
+                         "only one of them.")
+    if device_mesh is None and process_group is None and ShardingPlan.of(strategy).two_groups:
+        if auto_wrap_policy is None:  # each FSDP(...) call would build groups of its own
+            raise ValueError(f"Manual wrapping with {strategy} requires explicit specification of process group "
+                             "or device_mesh (torch's words; each FSDP(...) would build groups of its own): pass "
+                             "device_mesh=init_device_mesh(device, (replicate, shard)) or process_group=("
+                             "shard_group, replicate_group) (see minifsdp.hybrid_groups).")
+        return node_groups(ranks_per_node())
     if device_mesh is None:
         return process_group
-    if process_group is not None:
-        raise ValueError("pass either process_group= or device_mesh=, not both")
     if not ShardingPlan.of(strategy).two_groups:
         if device_mesh.ndim != 1:
             raise ValueError(f"{strategy.name} takes a 1-D device_mesh, got {device_mesh.ndim}-D; "
@@ -141,10 +179,18 @@ def normalize_mixed_precision(mp):
     return MixedPrecision(**{k: getattr(mp, k) for k in fields if hasattr(mp, k)})
 
 
+def offloads_params(cpu_offload) -> bool:
+    return cpu_offload is not None and getattr(cpu_offload, "offload_params", False)
+
+
 def check_cpu_offload(cpu_offload) -> None:
     """``CPUOffload(offload_params=True)`` is refused with torch's error type (a RuntimeError, which torch
-    FSDP1 raises on a machine without an accelerator), naming the fix."""
-    if cpu_offload is not None and getattr(cpu_offload, "offload_params", False):
+    FSDP1 raises on a machine without an accelerator, at the first forward), naming the fix.
+
+    Called at the root's first forward (``torch_extension.py``'s ``on_lazy_init``), for every unit, where torch
+    fails: so every error torch raises before it comes first, as in torch, also a wrap-time error of an outer
+    ``FSDP(...)`` call after an inner unit wrapped by hand (a unit that mixes frozen and trainable parameters)."""
+    if offloads_params(cpu_offload):
         raise RuntimeError(
             "FSDP(cpu_offload=CPUOffload(offload_params=True)) is not supported by minifsdp: parameter offload "
             "keeps the shards on the CPU between uses of an accelerator, and on a CPU-only run there is nothing "
@@ -219,8 +265,9 @@ def override_mixed_precision(root: nn.Module, classes: tuple) -> None:
 
 
 def _cast_inputs_up(module, args):
-    cast = [a.dtype for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.is_floating_point()
-            and a.dtype != torch.float32]
+    cast = []  # the dtype of each tensor cast, in torch's walk (_apply_to_tensors: dataclasses, sets too)
+    _apply_to_tensors(lambda a: cast.append(a.dtype) or a if a.is_floating_point() and a.dtype != torch.float32
+                      else a, args)
     module.__dict__["_minifsdp_input_dtype"] = cast[-1] if cast else None  # torch: the last one cast
     return cast_floating(args, torch.float32)
 

@@ -6,8 +6,10 @@
     wrong about is named (and a test pins it); anything else is a finding, shrunk and printed as a script
 
 Why batches?  Starting ranks costs about a second; a program on the tiny models costs a fraction of one.
-A batch that fails as a whole (a rank crashed, a hang hit the timeout) is run again one program per spawn, so
-the program at fault is named and the others still count.
+A batch that fails as a whole (a rank crashed) is run again one program per spawn, so the program at fault is
+named and the others still count.  A program one of whose ranks raised while the others waited in a collective
+leaves gloo's group unusable (it times out and closes the connections): that program runs again with each side
+in a spawn of its own, and the programs after it in a fresh spawn.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from minifsdp.fuzz.compare import differences
 from minifsdp.fuzz.known import explain
 from minifsdp.fuzz.program import Program, draw
 from minifsdp.fuzz.run import run_programs
@@ -54,22 +57,50 @@ def _merge(per_rank: list[dict]) -> list:
     return out
 
 
-def run_batch(programs: list[Program], timeout_s: float = 240.0) -> list[Outcome]:
+def run_batch(programs: list[Program], timeout_s: float | None = None) -> list[Outcome]:
     """Every program (all of one world size) in one spawn; on a failure of the whole spawn, one by one."""
     world = programs[0].world_size
     assert all(p.world_size == world for p in programs), "a batch is of one world size"
+    timeout_s = timeout_s or 60.0 + 20.0 * len(programs)
     try:
         results = spawn(run_programs, ([p.to_json() for p in programs],), world_size=world, timeout_s=timeout_s)
-    except RankFailedError as e:
+    except RankFailedError:
         if len(programs) > 1:
-            return [o for p in programs for o in run_batch([p], timeout_s=min(timeout_s, 120.0))]
-        line = next((x for x in reversed(str(e).splitlines()) if x.strip()), str(e))
-        return [Outcome(programs[0], [("crash", "program", line[:300])], {}, crash=line[:300])]
+            return [o for p in programs for o in run_batch([p])]
+        return [_sides_apart(programs[0])]  # which side took the ranks down
     outcomes = []
-    for i, program in enumerate(programs):
+    for i in range(min(len(r) for r in results)):
+        if any("broken" in results[r][i] for r in range(world)):  # this program broke the group: apart
+            outcomes.append(_sides_apart(programs[i]))
+            break
         diffs = _merge([results[r][i] for r in range(world)])
-        outcomes.append(Outcome(program, diffs, explain(program, diffs), errors=results[0][i]["errors"]))
-    return outcomes
+        outcomes.append(Outcome(programs[i], diffs, explain(programs[i], diffs), errors=results[0][i]["errors"]))
+    rest = programs[len(outcomes):]
+    return outcomes + (run_batch(rest) if rest else [])
+
+
+def _crashed(program: Program, e: Exception) -> Outcome:
+    line = next((x for x in reversed(str(e).splitlines()) if x.strip()), str(e))[:300]
+    return Outcome(program, [("crash", "program", line)], {}, crash=line)
+
+
+def _sides_apart(program: Program) -> Outcome:
+    """A program one of whose sides left the process group unusable: each side in a spawn of its own, each
+    rank's two records compared here (a rank raising while the others wait is then the same on both)."""
+    records = {}
+    for side in ("torch", "ours"):
+        try:
+            per_rank = spawn(run_programs, ([program.to_json()], (side,)), world_size=program.world_size,
+                             timeout_s=120.0)
+            records[side] = [r[0]["record"] for r in per_rank]
+        except RankFailedError as e:  # a rank died (a signal): the side "raised" a crash at a step unknown
+            line = next((x for x in reversed(str(e).splitlines()) if x.strip()), str(e))[:300]
+            crashed = {"wrapped": None, "steps": [], "final": None, "error": (None, "crash", line)}
+            records[side] = [crashed] * program.world_size
+    ops = [s["op"] for s in program.steps]
+    diffs = _merge([{"differences": differences(o, t, ops)} for o, t in zip(records["ours"], records["torch"])])
+    errors = {side: records[side][0]["error"] for side in records}
+    return Outcome(program, diffs, explain(program, diffs), errors=errors)
 
 
 def campaign(seeds, impl: str = "fsdp1", batch: int = 20, progress=None) -> list[Outcome]:

@@ -80,7 +80,7 @@ def _short(x, limit: int = 120) -> str:
 
 
 # fields whose every mismatch is listed, not only the first: a known difference (known.py) must not hide another
-_EVERY = ("state_types",)
+_EVERY = ("state_types", "grads")
 
 
 def every_difference(a: list, b: list) -> str | None:
@@ -124,4 +124,5 @@ def _error_line(error) -> str:
     if error is None:
         return "raised nothing"
     step, kind, message = error
-    return f"raised {kind} at {'wrapping' if step == -1 else f'step {step}'}: {message}"
+    where = "wrapping" if step == -1 else "a step unknown" if step is None else f"step {step}"
+    return f"raised {kind} at {where}: {message}"

@@ -33,15 +33,6 @@ def _step_of(program, where: str) -> dict | None:
     return program.steps[i] if i < len(program.steps) else None
 
 
-def _cpu_offload_refused(program, d) -> bool:
-    if program.impl != "fsdp1" or not program.options.get("cpu_offload"):
-        return False
-    if d[0] == "error":
-        return ("ours raised RuntimeError at wrapping: FSDP(cpu_offload=CPUOffload(offload_params=True)) is not "
-                "supported" in d[2] and "torch raised RuntimeError at step 0: Cannot access accelerator" in d[2])
-    return d[0] == "wrapped" and d[2].startswith(": NoneType None vs list")
-
-
 def _sharded_is_dtensor(program, d) -> bool:
     step = _step_of(program, d[1])
     return (program.impl == "fsdp1" and d[0] == "state_types" and step is not None and step["type"] == "SHARDED"
@@ -60,13 +51,62 @@ def _local_with_orig_params(program, d) -> bool:
     return d[0] in ("state", "state_types") and step is not None and step.get("type") == "LOCAL"
 
 
+def _step_index(program, where: str) -> int | None:
+    return int(where.split()[1]) if where.startswith("step ") else len(program.steps) if where == "final" else None
+
+
+def _full_offload_on_cpu(program, d) -> bool:
+    """torch raises at a FULL state dict with offload_to_cpu on a sharded run; ours returns it."""
+    if program.impl != "fsdp1" or program.world_size == 1 or program.options["sharding_strategy"] == "NO_SHARD":
+        return False
+    full_offload = any(s["op"] == "state_dict" and s["type"] == "FULL" and s["offload"] for s in program.steps)
+    if d[0] == "error" and d[2].startswith("ours raised nothing vs torch raised crash at a step unknown") \
+            and "SIGSEGV" in d[2]:  # a load_state_dict copying from the freed storage dies in C++
+        return full_offload
+    head = "ours raised nothing vs torch raised RuntimeError at step "
+    if d[0] != "error" or not d[2].startswith(head):
+        return False
+    i = d[2][len(head):].split(":")[0]
+    step = program.steps[int(i)] if i.isdigit() else {}
+    return step.get("op") == "state_dict" and step.get("type") == "FULL" and step.get("offload") \
+        and "setStorage" in d[2]
+
+
+def _orig_params_optim_offload(program, d) -> bool:
+    """torch's FULL optim_state_dict with use_orig_params repeats one state tensor for every state name (Adam's
+    exp_avg is its exp_avg_sq); ours is right, and a resume from each then differs from that step on."""
+    if program.impl != "fsdp1" or not program.options["use_orig_params"] or program.world_size == 1 \
+            or program.options["sharding_strategy"] == "NO_SHARD" or program.optimizer["name"] == "sgd":
+        return False
+    first = next((i for i, s in enumerate(program.steps) if s["op"] == "optim_state_dict"), None)
+    i = _step_index(program, d[1])
+    if first is None or i is None or i < first:
+        return False
+    return d[0] == "optim" if i == first else any(s["op"] == "optim_state_dict" and s["load"]
+                                                   for s in program.steps[first:i])
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name in the plain model: the FSDP1 and checkpoint wrappers' segments dropped."""
+    return ".".join(p for p in name.split(".") if p not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+
+
+def _frozen_grads_under_no_sync(program, d) -> bool:
+    """torch's ``no_sync`` with use_orig_params gives each frozen original a ``.grad``; ours gives none: every
+    original that differs is frozen, ours None, torch's a tensor (``grads`` lists each one: compare.py)."""
+    step = _step_of(program, d[1])
+    if program.impl != "fsdp1" or not program.options["use_orig_params"] or d[0] != "grads" or step is None \
+            or step["op"] != "no_sync" or not program.model.get("frozen"):
+        return False
+    for part in d[2].split("; "):
+        name, _, what = part.partition(": ")
+        if not (name.endswith(".1") and what.startswith("NoneType None vs tuple ('Tensor',")
+                and any(_plain_name(name[:-2]).startswith(f) for f in program.model["frozen"])):
+            return False
+    return True
+
+
 KNOWN: list[Known] = [
-    Known("cpu_offload_refused_at_wrapping",
-          "FSDP(cpu_offload=CPUOffload(offload_params=True)) on a machine without an accelerator: torch wraps, then "
-          "fails at the first forward ('Cannot access accelerator device when none is available', "
-          "_runtime_utils._pre_forward_unshard moving the shard to the compute device); ours refuses at wrapping "
-          "with the same RuntimeError type and says what to pass instead (torch_options.check_cpu_offload).",
-          _cpu_offload_refused),
     Known("sharded_state_dict_is_dtensor",
           "SHARDED_STATE_DICT values: torch FSDP1 returns ShardedTensor (its FutureWarning: 'Please use DTensor "
           "instead and we are deprecating ShardedTensor'; DTensor only with _use_dtensor); ours returns DTensor with "
@@ -78,9 +118,43 @@ KNOWN: list[Known] = [
           "_flat_param'; _state_dict_utils._local_pre_state_dict_hook leaves the original parameters registered). "
           "Ours returns only the flat parameters, as without use_orig_params, and loads them back.",
           _local_with_orig_params),
+    Known("full_state_dict_offload_on_cpu",
+          "FULL_STATE_DICT with FullStateDictConfig(offload_to_cpu=True) on a sharded CPU run: torch's values are "
+          "views of the unit's gathered flat parameter, which it frees on leaving the unshard ('tensor.cpu()' makes no "
+          "copy on the CPU; _state_dict_utils._full_post_state_dict_hook), so reading them raises 'setStorage ... out "
+          "of bounds for storage of size 0'. Ours copies (full_state_dict.py) and returns the full tensors.",
+          _full_offload_on_cpu),
+    Known("orig_params_optim_state_dict_repeats_a_state",
+          "FSDP.optim_state_dict with use_orig_params=True and Adam/AdamW (FullOptimStateDictConfig's default "
+          "offload_to_cpu=True): torch returns exp_avg equal to exp_avg_sq for every sharded parameter "
+          "(_optim_utils._allgather_orig_param_states reuses one gathered tensor for every state name and keeps "
+          "views of it; on the CPU '.cpu()' makes no copy), so a resume from it leaves torch's own continued run. "
+          "Ours returns each state as it is; a resume from ours equals the continued run.",
+          _orig_params_optim_offload),
+    Known("frozen_originals_get_grads_under_no_sync",
+          "no_sync() with use_orig_params=True and a unit mixing frozen and trainable parameters: torch gives each "
+          "frozen original (requires_grad=False) a .grad, a view of the unit's unsharded gradient holding what "
+          "autograd computed for it (_flat_param.FlatParamHandle._use_unsharded_grad_views checks no requires_grad; "
+          "_use_sharded_grad_views, after a synced backward, sets them to None, as its docstring says). Ours gives "
+          "a frozen original no gradient in both, as autograd and DDP do (orig_params.py, Note (frozen originals)).",
+          _frozen_grads_under_no_sync),
 ]
 
 
+# what a rank says when a peer it waits for in a collective raised instead (gloo times out, closes connections)
+_WAITED = ("Timed out waiting", "Connection closed", "Connection reset", "Application timeout")
+
+
 def explain(program, diffs: list) -> dict:
-    """{difference: the name of the known entry that explains it} for the differences some entry matches."""
-    return {d: k.name for d in diffs for k in KNOWN if k.matches(program, d)}
+    """{difference: the name of the known entry that explains it} for the differences some entry matches.
+
+    A rank's error that only says it waited for a peer in vain (a gloo timeout), and a side with nothing wrapped
+    (it died first), follow from an error of the same program: whatever explains that error explains them."""
+    found = {d: k.name for d in diffs for k in KNOWN if k.matches(program, d)}
+    causes = [name for d, name in found.items() if d[0] == "error"]
+    for d in diffs:
+        waited = d[0] == "error" and any(w in d[2] for w in _WAITED)
+        never_wrapped = d[0] == "wrapped" and "NoneType None" in d[2]  # that side died before it wrapped
+        if d not in found and causes and (waited or never_wrapped):
+            found[d] = causes[0]
+    return found

@@ -31,7 +31,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 STEPS_FSDP1 = {"train": 40, "accum": 10, "no_sync": 10, "eval": 7, "no_grad": 4, "state_dict": 12,
                "optim_state_dict": 6, "summon": 6}
-STEPS_FSDP2 = {"train": 40, "accum": 10, "no_sync": 10, "eval": 7, "no_grad": 4, "state_dict": 10, "unshard": 5}
+STEPS_FSDP2 = {"train": 40, "accum": 10, "no_sync": 10, "eval": 7, "no_grad": 4, "state_dict": 8, "dcp_state_dict": 8,
+               "unshard": 5}
 
 
 @dataclasses.dataclass
@@ -91,7 +92,9 @@ def draw(seed: int, impl: str = "fsdp1") -> Program:
             options["reshard_after_forward"] = True
         wrap = _draw_fsdp2_wrap(rng, model)
         steps = _draw_steps(rng, STEPS_FSDP2, options)
-    optimizer = {"name": rng.choice(["sgd", "adam", "adamw"]), "lr": rng.choice([0.1, 0.01])}
+    optimizer = {"name": rng.choice(["sgd", "adam", "adamw"]), "lr": rng.choice([0.1, 0.01]),
+                 # decay / no-decay groups by name: only where the original names are there to group by
+                 "groups": (impl == "fsdp2" or options["use_orig_params"]) and rng.random() < 0.3}
     return Program(seed=seed, impl=impl, world_size=world, model=model, wrap=wrap, options=options,
                    optimizer=optimizer, steps=steps)
 
@@ -148,7 +151,12 @@ def _draw_fsdp1_options(rng: random.Random) -> dict:
             "use_orig_params": rng.random() < 0.4, "mixed_precision": mp,
             "backward_prefetch": rng.choices(["BACKWARD_PRE", "BACKWARD_POST", None], [3, 1, 1])[0],
             "forward_prefetch": rng.random() < 0.2, "limit_all_gathers": rng.random() < 0.8,
-            "cpu_offload": rng.random() < 0.05, "scaler": False}
+            "cpu_offload": rng.random() < 0.05, "scaler": False, "ac": _draw_ac(rng)}
+
+
+def _draw_ac(rng: random.Random) -> str | None:
+    """Activation checkpointing of every Block with torch's apply_activation_checkpointing, as users apply it."""
+    return rng.choices([None, "no_reentrant", "reentrant"], [8, 1, 1])[0]
 
 
 def _draw_fsdp1_wrap(rng: random.Random, model: dict) -> dict:
@@ -169,12 +177,18 @@ def _draw_fsdp2_options(rng: random.Random) -> dict:
               "output_dtype": _dtype_or_none(rng, 0.8), "cast_forward_inputs": rng.random() < 0.9}
     return {"reshard_after_forward": rng.choices([True, False, 2], [5, 2, 1])[0], "mixed_precision": mp,
             "mesh": "2d" if rng.random() < 0.12 else "1d", "cpu_offload": rng.random() < 0.05,
-            "reshard_after_backward": rng.random() < 0.9, "scaler": False}
+            "reshard_after_backward": rng.random() < 0.9, "scaler": False, "ac": _draw_ac(rng),
+            "placement": "shard1" if rng.random() < 0.1 else None}
 
 
 def _draw_fsdp2_wrap(rng: random.Random, model: dict) -> dict:
-    return {"policy": "manual", "manual": [p for p in block_paths(model) if rng.random() < 0.7],
+    paths = block_paths(model)
+    wrap = {"policy": "manual", "manual": [p for p in paths if rng.random() < 0.7],
             "ignored": [], "explicit_prefetch": rng.random() < 0.15}
+    if rng.random() < 0.08 and len(paths) > 1:  # ignored_params: one block's parameters left alone
+        wrap["ignored"] = [rng.choice(paths)]
+        wrap["manual"] = [p for p in wrap["manual"] if p not in wrap["ignored"]]
+    return wrap
 
 
 def _draw_steps(rng: random.Random, weights: dict, options: dict) -> list:
@@ -190,10 +204,17 @@ def _draw_steps(rng: random.Random, weights: dict, options: dict) -> list:
 def _step(rng: random.Random, op: str) -> dict:
     step = {"op": op}
     if op == "train":
-        step.update(clip=rng.choice([None, None, None, 0.05, 100.0]), set_to_none=rng.random() < 0.8)
+        step.update(clip=rng.choice([None, None, None, 0.05, 100.0]), set_to_none=rng.random() < 0.8,
+                    norm_type=rng.choice([2.0, 2.0, 1.0, "inf"]))
     elif op == "state_dict":
         step.update(type=rng.choice(["FULL", "FULL", "SHARDED", "LOCAL"]), rank0_only=rng.random() < 0.3,
                     offload=rng.random() < 0.3, load=rng.random() < 0.5)
     elif op == "optim_state_dict":
         step.update(rank0_only=rng.random() < 0.3, load=rng.random() < 0.6)
+    elif op == "summon":  # an edit inside is written back (or not), as writeback says
+        step.update(writeback=rng.random() < 0.7, edit=rng.random() < 0.5, with_grads=rng.random() < 0.2)
+    elif op == "dcp_state_dict":  # torch.distributed.checkpoint.state_dict's get/set, FSDP2's own checkpoint API
+        step.update(full=rng.random() < 0.5, offload=rng.random() < 0.3, load=rng.random() < 0.6)
+    elif op == "unshard":
+        step.update(async_op=rng.random() < 0.5)
     return step

@@ -63,14 +63,20 @@ def _plain(t: torch.Tensor) -> tuple[str, torch.Tensor]:
     ``ShardedTensor`` both read as ``sharded(global shape)`` with this rank's piece: which class carries the piece
     is recorded apart (:func:`types_of`), so the numbers are compared whichever wrapper a side chose."""
     if isinstance(t, DTensor):
-        return f"sharded{tuple(t.shape)}", t.to_local().detach().cpu().clone()
+        return f"sharded{tuple(t.shape)}", _empty_flat(t.to_local().detach().cpu()).clone()
     if isinstance(t, ShardedTensor):
         shards = [s.tensor.detach().cpu() for s in t.local_shards()]
         local = shards[0] if len(shards) == 1 else torch.cat([s.reshape(-1) for s in shards]) if shards \
             else torch.empty(0, dtype=t.dtype)
-        return f"sharded{tuple(t.size())}", local.clone()
+        return f"sharded{tuple(t.size())}", _empty_flat(local).clone()
     kind = "Parameter" if isinstance(t, torch.nn.Parameter) else "Tensor"
     return kind, t.detach().cpu().clone()
+
+
+def _empty_flat(local: torch.Tensor) -> torch.Tensor:
+    """A rank's empty piece as ``(0,)``: a ShardedTensor gives it that shape, a DTensor the parameter's other dims;
+    with no numbers in it, the shape is only each wrapper's habit."""
+    return local.reshape(0) if local.numel() == 0 else local
 
 
 def types_of(obj) -> list[tuple[str, str]]:

@@ -9,7 +9,9 @@
     eval, no_grad     a forward in eval mode / under ``torch.no_grad()`` in train mode: the loss
     state_dict        a state dict of the asked type (FULL, SHARDED, LOCAL), loaded back if asked
     optim_state_dict  ``FSDP.optim_state_dict`` (FSDP1), loaded back through ``optim_state_dict_to_load``
-    summon, unshard   the full parameters inside ``summon_full_params`` / ``unshard()`` then ``reshard()``
+    dcp_state_dict    ``torch.distributed.checkpoint.state_dict.get_state_dict`` (FSDP2), set back if asked
+    summon            inside ``summon_full_params`` (writeback, with_grads): the parameters, an edit, after it
+    unshard           ``unshard()`` (or ``unshard(async_op=True).wait()``), then ``reshard()``
 
 and at the end the full parameters and the buffers.  Each step also records the collectives it issued
 (``record.CollectiveRecorder``) when it trains or runs forward; the state dicts' own traffic (pickled
@@ -26,6 +28,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -42,11 +45,17 @@ from minifsdp.fuzz.trees import batch, build_model, loss_of
 
 __all__ = ["run_side", "run_programs"]
 
-_TRAINS = ("train", "accum", "no_sync", "eval", "no_grad", "unshard")
+_TRAINS = ("train", "accum", "no_sync", "eval", "no_grad", "unshard", "summon")
 
 
 def _optimizer(spec: dict, model):
+    """The optimizer over ``model.parameters()``; with ``groups``, decay and no-decay groups split by name, as
+    users split biases and norms out of weight decay."""
     params = list(model.parameters())
+    if spec.get("groups"):
+        named = list(model.named_parameters())
+        params = [{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.1},
+                  {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
     if spec["name"] == "sgd":
         return torch.optim.SGD(params, lr=spec["lr"], momentum=0.9)
     return (torch.optim.Adam if spec["name"] == "adam" else torch.optim.AdamW)(params, lr=spec["lr"])
@@ -80,10 +89,11 @@ def _no_sync(program: Program, model):
             model.set_requires_gradient_sync(True)
 
 
-def _clip(program: Program, side: Side, model, max_norm: float):
+def _clip(program: Program, side: Side, model, max_norm: float, norm_type):
+    norm_type = float(norm_type)  # "inf" in a program's JSON
     if program.impl == "fsdp1":
-        return model.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return model.clip_grad_norm_(max_norm, norm_type)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
 
 def _config(step: dict):
@@ -126,6 +136,17 @@ def _optim_state_dict(program: Program, side: Side, model, opt, step: dict) -> d
     return out
 
 
+def _dcp_state_dict(model, opt, step: dict) -> dict:
+    """``get_state_dict`` of ``torch.distributed.checkpoint.state_dict`` (FSDP2's checkpoint API), then
+    ``set_state_dict`` back if asked."""
+    options = StateDictOptions(full_state_dict=step["full"], cpu_offload=step["offload"])
+    msd, osd = get_state_dict(model, opt, options=options)
+    out = {"state": tensors_of(msd), "state_types": types_of(msd), "optim": tensors_of(osd)}
+    if step["load"] and not (step["full"] and step["offload"]):  # full + offload: only rank 0 holds it
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    return out
+
+
 def _step(program: Program, side: Side, model, opt, scaler, i: int, step: dict) -> dict:
     op = step["op"]
     if op == "train":
@@ -133,7 +154,7 @@ def _step(program: Program, side: Side, model, opt, scaler, i: int, step: dict) 
         if step["clip"] is not None:
             if scaler is not None:
                 scaler.unscale_(opt)
-            out["total_norm"] = tensors_of(_clip(program, side, model, step["clip"]))
+            out["total_norm"] = tensors_of(_clip(program, side, model, step["clip"], step.get("norm_type", 2.0)))
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -162,12 +183,24 @@ def _step(program: Program, side: Side, model, opt, scaler, i: int, step: dict) 
     if op == "optim_state_dict":
         return _optim_state_dict(program, side, model, opt, step)
     if op == "summon":
-        with side.FSDP.summon_full_params(model):
-            return {"full": _params(model)}
+        with side.FSDP.summon_full_params(model, writeback=step.get("writeback", True),
+                                          with_grads=step.get("with_grads", False)):
+            out = {"full": _params(model)}
+            if step.get("with_grads"):
+                out["full_grads"] = _grads(model)
+            if step.get("edit"):  # written back to the shards only with writeback=True
+                with torch.no_grad():
+                    next(iter(model.parameters())).add_(0.5)
+        out["after"] = _params(model)
+        return out
     if op == "unshard":
-        model.unshard()
+        handle = model.unshard(async_op=step.get("async_op", False))
+        if handle is not None:
+            handle.wait()
         model.reshard()
         return {}
+    if op == "dcp_state_dict":
+        return _dcp_state_dict(model, opt, step)
     raise ValueError(f"unknown step {op!r}")
 
 
@@ -207,16 +240,27 @@ def run_side(program: Program, side_name: str, ctx: RankContext) -> dict:
     return rec
 
 
-def run_programs(programs_json: list[str]) -> list[dict]:
+def run_programs(programs_json: list[str], sides: tuple = ("torch", "ours")) -> list[dict]:
     """Rank function: every program on both sides (torch first); this rank's differences for each.
 
-    Returns one dict per program: ``differences`` (``compare.differences``), ``summary`` (the losses)."""
+    Returns one dict per program run: ``differences`` (``compare.differences``), ``errors`` (each side's, on
+    this rank), ``losses``.  If a side broke the process group (a rank raised while the others waited in a
+    collective, so gloo closed the connections), the list ends with ``{"broken": side}`` for that program and
+    the rest are not run here: the caller runs that program one side per spawn, and the rest in a fresh spawn.
+    With one side, each dict holds that side's whole ``record``."""
     ctx, out = RankContext(), []
     # torch's and ours' warnings (NO_SHARD, state_dict_type, 1 rank) would print once per program per rank
     warnings.simplefilter("ignore")
     for text in programs_json:
         program = Program.from_json(text)
-        records = {name: run_side(program, name, ctx) for name in ("torch", "ours")}
+        records = {}
+        for name in sides:
+            records[name] = run_side(program, name, ctx)
+            if ctx.settle(records[name]["error"]):
+                return out + [{"broken": name, "record": records[name]}]
+        if len(sides) == 1:
+            out.append({"record": records[sides[0]]})
+            continue
         out.append({"differences": differences(records["ours"], records["torch"], [s["op"] for s in program.steps]),
                     "errors": {k: r["error"] for k, r in records.items()},
                     "losses": [s.get("loss") for s in records["torch"]["steps"]]})

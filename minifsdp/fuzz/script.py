@@ -51,10 +51,19 @@ def _wrap_lines(p: Program) -> list[str]:
                 f"{k}={_DTYPE[v] if k.endswith('dtype') else v}" for k, v in mp.items()) + ")"
         if o["cpu_offload"]:
             kw += ", offload_policy=CPUOffloadPolicy(pin_memory=False)"
+        if o.get("placement") == "shard1":
+            n = 2 if o["mesh"] == "2d" else p.world_size
+            kw += f", shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % {n} == 0 else None"
         lines = [f"    kw = dict({kw})"]
+        if o.get("ac"):
+            lines.append(f"    checkpoint_blocks(model, {o['ac']!r})  # apply_activation_checkpointing on each Block")
         lines += [f"    fully_shard(model.get_submodule({path!r}), **kw)" for path in w["manual"]
                   if path in block_paths(p.model)]
         root = "dict(kw, reshard_after_forward=kw['reshard_after_forward'] is not False)"  # an int: inner units only
+        if w.get("ignored"):
+            paths = ", ".join(repr(x) for x in w["ignored"])
+            ignored = f"{{p for x in [{paths}] for p in model.get_submodule(x).parameters()}}"
+            root = root[:-1] + f", ignored_params={ignored})"
         lines.append(f"    fully_shard(model, **{root})")
         return lines
     kwargs = _fsdp1_kwargs(p)
@@ -73,6 +82,8 @@ def _wrap_lines(p: Program) -> list[str]:
     ignored = f", ignored_modules=[{', '.join(f'model.get_submodule({x!r})' for x in w['ignored'])}]" \
         if w["ignored"] else ""
     lines.append(f"    model = FSDP(model, auto_wrap_policy={policy}{ignored}, **kw)")
+    if p.options.get("ac"):
+        lines.append(f"    checkpoint_blocks(model, {p.options['ac']!r})  # apply_activation_checkpointing, each Block")
     return lines
 
 
@@ -96,8 +107,10 @@ def _step_lines(p: Program, i: int, step: dict) -> list[str]:
         if step["clip"] is not None:
             if p.options.get("scaler"):
                 L.append("    scaler.unscale_(opt)")
-            clip = (f"model.clip_grad_norm_({step['clip']})" if p.impl == "fsdp1"
-                    else f"torch.nn.utils.clip_grad_norm_(model.parameters(), {step['clip']})")
+            norm = float(step.get("norm_type", 2.0))
+            clip = (f"model.clip_grad_norm_({step['clip']}, {norm!r})" if p.impl == "fsdp1"
+                    else f"torch.nn.utils.clip_grad_norm_(model.parameters(), {step['clip']}, {norm!r})")
+            clip = clip.replace("inf)", "float('inf'))")
             L.append(f"    seen['step {i} total norm'] = {clip}")
         L.append("    (scaler.step(opt), scaler.update()) if scaler else opt.step()")
         L.append(f"    opt.zero_grad(set_to_none={step['set_to_none']})")
@@ -126,20 +139,37 @@ def _step_lines(p: Program, i: int, step: dict) -> list[str]:
         if step["load"]:
             L.append("    opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, osd))")
     elif op == "summon":
-        L.append("    with FSDP.summon_full_params(model):")
+        L.append(f"    with FSDP.summon_full_params(model, writeback={step.get('writeback', True)}, "
+                 f"with_grads={step.get('with_grads', False)}):")
         L.append(f"        seen['step {i} full'] = [(n, p.detach().clone()) for n, p in model.named_parameters()]")
+        if step.get("edit"):
+            L.append("        with torch.no_grad():")
+            L.append("            next(iter(model.parameters())).add_(0.5)")
+        L.append(f"    seen['step {i} after'] = [(n, p.detach().clone()) for n, p in model.named_parameters()]")
     elif op == "unshard":
-        L.append("    model.unshard()")
+        L.append(f"    handle = model.unshard(async_op={step.get('async_op', False)})")
+        L.append("    handle.wait() if handle is not None else None")
         L.append("    model.reshard()")
+    elif op == "dcp_state_dict":
+        L.append(f"    options = StateDictOptions(full_state_dict={step['full']}, cpu_offload={step['offload']})")
+        L.append(f"    seen['step {i} state'], seen['step {i} optim'] = msd, osd = get_state_dict(model, opt, "
+                 "options=options)")
+        if step["load"] and not (step["full"] and step["offload"]):
+            L.append("    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)")
     return L
 
 
 def to_script(p: Program, difference: tuple | None = None) -> str:
     """The program as a runnable Python script (``python script.py``) that prints where the two sides differ."""
     found = f"\n    difference: {difference[0]} at {difference[1]}: {difference[2]}" if difference else ""
-    opt = {"sgd": f"torch.optim.SGD(model.parameters(), lr={p.optimizer['lr']}, momentum=0.9)",
-           "adam": f"torch.optim.Adam(model.parameters(), lr={p.optimizer['lr']})",
-           "adamw": f"torch.optim.AdamW(model.parameters(), lr={p.optimizer['lr']})"}[p.optimizer["name"]]
+    params = "model.parameters()"
+    if p.optimizer.get("groups"):
+        named = "model.named_parameters()"
+        params = (f"[{{'params': [p for n, p in {named} if not n.endswith('bias')], 'weight_decay': 0.1}}, "
+                  f"{{'params': [p for n, p in {named} if n.endswith('bias')], 'weight_decay': 0.0}}]")
+    opt = {"sgd": f"torch.optim.SGD({params}, lr={p.optimizer['lr']}, momentum=0.9)",
+           "adam": f"torch.optim.Adam({params}, lr={p.optimizer['lr']})",
+           "adamw": f"torch.optim.AdamW({params}, lr={p.optimizer['lr']})"}[p.optimizer["name"]]
     side = ("FSDP" if p.impl == "fsdp1" else "fully_shard")
     lines = [
         f'"""A fuzz program: torch user code run on torch\'s {"FSDP1" if p.impl == "fsdp1" else "fully_shard"} '
@@ -153,18 +183,20 @@ def to_script(p: Program, difference: tuple | None = None) -> str:
         "",
         "import torch",
         "import torch.distributed as dist",
+        "from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict",
         "from torch.distributed.device_mesh import init_device_mesh",
         "from torch.distributed.fsdp import *  # noqa: F403 - torch's names, as a torch user imports them",
         "from torch.distributed.fsdp import fully_shard as torch_fully_shard",
         "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler",
         "from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, "
         "transformer_auto_wrap_policy",
+        "from torch.distributed.tensor import Shard",
         "from torch.nn import BatchNorm1d, Linear  # noqa: F401 - wrap policies may name them",
         "",
         "import minifsdp",
         "from minifsdp.fuzz.compare import first_difference",
         "from minifsdp.fuzz.record import tensors_of",
-        "from minifsdp.fuzz.sides import RankContext",
+        "from minifsdp.fuzz.sides import RankContext, checkpoint_blocks",
         "from minifsdp.fuzz.trees import Block, batch, build_model, loss_of  # noqa: F401",
         "",
         "MODEL = " + pprint.pformat(p.model, width=110, sort_dicts=True).replace("\n", "\n" + " " * 8),

@@ -20,9 +20,9 @@ __all__ = ["shrink", "simplifications"]
 
 FSDP1_DEFAULTS = {"sharding_strategy": "FULL_SHARD", "use_orig_params": False, "mixed_precision": None,
                   "backward_prefetch": "BACKWARD_PRE", "forward_prefetch": False, "limit_all_gathers": True,
-                  "cpu_offload": False, "scaler": False}
+                  "cpu_offload": False, "scaler": False, "ac": None}
 FSDP2_DEFAULTS = {"reshard_after_forward": True, "mixed_precision": None, "mesh": "1d", "cpu_offload": False,
-                  "reshard_after_backward": True, "scaler": False}
+                  "reshard_after_backward": True, "scaler": False, "ac": None, "placement": None}
 
 
 def _renumbered(p: Program, model: dict, kept: list[int]) -> Program:
@@ -92,6 +92,13 @@ def simplifications(p: Program) -> list[Program]:
     for key, simple in (("ignored", []), ("policy", "module"), ("classes", ["Block"]), ("explicit_prefetch", False)):
         if key in p.wrap and p.wrap[key] != simple:
             out.append(p.replace(wrap=dict(p.wrap, **{key: simple})))
+    if p.optimizer.get("groups"):
+        out.append(p.replace(optimizer=dict(p.optimizer, groups=False)))
+    for i, step in enumerate(p.steps):  # a step's own options back to the plainest
+        for key, simple in (("clip", None), ("norm_type", 2.0), ("load", False), ("edit", False),
+                            ("with_grads", False), ("async_op", False), ("offload", False), ("rank0_only", False)):
+            if key in step and step[key] != simple:
+                out.append(p.replace(steps=p.steps[:i] + [dict(step, **{key: simple})] + p.steps[i + 1:]))
     for path in p.wrap.get("manual", []):
         out.append(p.replace(wrap=dict(p.wrap, manual=[x for x in p.wrap["manual"] if x != path])))
     return [c for c in out if c is not None]

@@ -15,11 +15,18 @@ because a new process group per program would cost seconds and leak.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
@@ -33,6 +40,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from torch.distributed.tensor import Shard
 
 import minifsdp.fsdp as ours_fsdp1
 import minifsdp.fsdp2 as ours_fsdp2
@@ -66,14 +74,19 @@ class RankContext:
     HYBRID at 4 ranks shards over {0, 1} and {2, 3} and replicates over {0, 2} and {1, 3}, as torch's
     intra-node / inter-node split would on two nodes of two GPUs."""
 
-    def __init__(self):
+    def __init__(self, collective_timeout_s: float = 30.0):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self._hybrid = self._mesh1 = self._mesh2 = None
+        # A program where one rank raises and the others wait in a collective must not wait long; and the two
+        # sides must never pair one side's collective with the other's: `settle` meets on a group of its own.
+        self.timeout = datetime.timedelta(seconds=collective_timeout_s)
+        self.sync = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=10 * collective_timeout_s))
+        _short_timeout(None, self.timeout)
 
     def hybrid_groups(self):
         if self._hybrid is None:
-            shard = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-            replicate = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            shard = [dist.new_group([0, 1], timeout=self.timeout), dist.new_group([2, 3], timeout=self.timeout)]
+            replicate = [dist.new_group([0, 2], timeout=self.timeout), dist.new_group([1, 3], timeout=self.timeout)]
             self._hybrid = (shard[self.rank // 2], replicate[self.rank % 2])
         return self._hybrid
 
@@ -81,10 +94,32 @@ class RankContext:
         if two_d:
             if self._mesh2 is None:
                 self._mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+                for i in range(2):
+                    _short_timeout(self._mesh2.get_group(i), self.timeout)
             return self._mesh2
         if self._mesh1 is None:
             self._mesh1 = init_device_mesh("cpu", (self.world,))
+            _short_timeout(self._mesh1.get_group(0), self.timeout)
         return self._mesh1
+
+    def settle(self, error) -> bool:
+        """Meet every rank after a side (on the sync group); True if some rank's error says the process group
+        broke (a gloo timeout or a closed connection: a rank raised while others waited in a collective)."""
+        broken = error is not None and any(w in error[2] for w in _BROKEN)
+        flags = [None] * self.world
+        dist.all_gather_object(flags, broken, group=self.sync)
+        return any(flags)
+
+
+# what gloo says when a collective's peer is gone or late: the group is unusable after it
+_BROKEN = ("gloo", "Connection closed", "Connection reset", "timed out", "Timed out", "timeout")
+
+
+def _short_timeout(group, timeout: datetime.timedelta) -> None:
+    """torch's private ``_set_pg_timeout`` where this torch has it (2.2 and later); else the group keeps its own."""
+    setter = getattr(c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
 
 
 def _mixed_precision_fsdp1(mp: dict | None):
@@ -132,7 +167,18 @@ def wrap_fsdp1(program: Program, side: Side, model: nn.Module, ctx: RankContext)
                 owner[name] = wrapped
             else:
                 owner._modules[name] = wrapped
-    return side.FSDP(model, auto_wrap_policy=_policy(w), ignored_modules=ignored or None, **kwargs)
+    model = side.FSDP(model, auto_wrap_policy=_policy(w), ignored_modules=ignored or None, **kwargs)
+    if o.get("ac"):  # torch's recipe for FSDP1: wrap first, then checkpoint the blocks inside the units
+        checkpoint_blocks(model, o["ac"])
+    return model
+
+
+def checkpoint_blocks(model: nn.Module, how: str) -> None:
+    """torch's ``apply_activation_checkpointing`` on every Block, reentrant or not, as a torch user calls it."""
+    impl = CheckpointImpl.REENTRANT if how == "reentrant" else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                                                  checkpoint_impl=impl),
+                                   check_fn=lambda m: isinstance(m, Block))
 
 
 def wrap_fsdp2(program: Program, side: Side, model: nn.Module, ctx: RankContext):
@@ -147,10 +193,18 @@ def wrap_fsdp2(program: Program, side: Side, model: nn.Module, ctx: RankContext)
                                                    cast_forward_inputs=mp["cast_forward_inputs"])
     if o["cpu_offload"]:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if o.get("placement") == "shard1":  # a Linear's weight by columns where they divide evenly (torch's rule)
+        n = kwargs["mesh"].size(-1)
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % n == 0 else None
+    if o.get("ac"):  # torchtitan's order for FSDP2: checkpoint the blocks first, then shard them
+        checkpoint_blocks(model, o["ac"])
     units = [model.get_submodule(p) for p in program.wrap["manual"] if p in block_paths(program.model)]
     for unit in units:
         side.fully_shard(unit, **kwargs)
     root_kwargs = dict(kwargs)
+    ignored = [p for path in program.wrap.get("ignored", []) for p in model.get_submodule(path).parameters()]
+    if ignored:
+        root_kwargs["ignored_params"] = set(ignored)
     if root_kwargs["reshard_after_forward"] not in (True, False):  # an int is for inner units only
         root_kwargs["reshard_after_forward"] = True
     side.fully_shard(model, **root_kwargs)

@@ -121,6 +121,19 @@ def sharded_numel(unit_numels: Iterable[int], world_size: int) -> int:
     return sum(math.ceil(n / world_size) for n in unit_numels)
 
 
+def ring_all_reduce_bytes_sent(numel: int, world_size: int, rank: int, itemsize: int = 4) -> int:
+    """Bytes ``rank`` sends in our ring all-reduce of ``numel`` elements (``minifsdp.comm.ring``).
+
+    The reduce-scatter sends every chunk but chunk ``rank``, the all-gather every chunk but chunk
+    ``rank + 1``: 2(N-1)/N of the data when N divides it, a few elements off per rank when not.
+    """
+    sizes = [b - a for a, b in chunk_bounds(numel, world_size)]
+    if world_size == 1:
+        return 0
+    return (2 * numel - sizes[rank % world_size] - sizes[(rank + 1) % world_size]) * itemsize
+
+
+# >>> student edition: cut; exercises/memory_tasks.py runs here (tasks 2.3b, 2.4)
 def fsdp_model_state_bytes(unit_numels: Iterable[int], world_size: int) -> int:
     """Our FSDP's (and torch FSDP1's) fp32 AdamW model state per rank at rest, exactly (exercise 2.3b).
 
@@ -132,18 +145,6 @@ def fsdp_model_state_bytes(unit_numels: Iterable[int], world_size: int) -> int:
     shard = sharded_numel(units, world_size)
     total = model_state_bytes(shard * world_size, world_size, "FULL_SHARD", extra_optimizer_bytes=4 * len(units))
     return int(total["total"])
-
-
-def ring_all_reduce_bytes_sent(numel: int, world_size: int, rank: int, itemsize: int = 4) -> int:
-    """Bytes ``rank`` sends in our ring all-reduce of ``numel`` elements (``minifsdp.comm.ring``).
-
-    The reduce-scatter sends every chunk but chunk ``rank``, the all-gather every chunk but chunk
-    ``rank + 1``: 2(N-1)/N of the data when N divides it, a few elements off per rank when not.
-    """
-    sizes = [b - a for a, b in chunk_bounds(numel, world_size)]
-    if world_size == 1:
-        return 0
-    return (2 * numel - sizes[rank % world_size] - sizes[(rank + 1) % world_size]) * itemsize
 
 
 def bytes_sent_per_step(unit_numels: Iterable[int], world_size: int, strategy: str, itemsize: int = 4,
@@ -171,6 +172,7 @@ def bytes_sent_per_step(unit_numels: Iterable[int], world_size: int, strategy: s
     if key == "FULL_SHARD":
         return 3 * sum(one) - one[0]
     raise ValueError(f"unknown strategy {strategy!r}; use DDP, FULL_SHARD, SHARD_GRAD_OP or NO_SHARD.")
+# <<< student edition
 
 
 def memory_rows(

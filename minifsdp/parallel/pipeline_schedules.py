@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 __all__ = ["ScheduleGPipe", "Schedule1F1B", "PipelineScheduleSingle", "bubble_fraction",
-           "measured_bubble_fraction", "action_order", "simulate_timeline", "format_timeline"]
+           "measured_bubble_fraction", "action_order", "one_f_one_b_order", "simulate_timeline", "format_timeline"]
 
 
 class PipelineScheduleSingle:
@@ -180,12 +180,25 @@ def action_order(schedule: str, stage_index: int, num_stages: int, n_microbatche
     if schedule == "gpipe":
         return [f"F{m}" for m in range(M)] + [f"B{m}" for m in range(M)]
     if schedule == "1f1b":
-        warmup = min(M, S - i - 1)
-        order = [f"F{m}" for m in range(warmup)]
-        for m in range(M - warmup):
-            order += [f"F{warmup + m}", f"B{m}"]
-        return order + [f"B{m}" for m in range(M - warmup, M)]
+        return one_f_one_b_order(i, S, M)
     raise ValueError(f"unknown schedule {schedule!r}: 'gpipe' or '1f1b'")
+
+
+# >>> student edition: cut; exercises/parallel_tasks.py runs here (task 4.4b)
+def one_f_one_b_order(stage_index: int, num_stages: int, n_microbatches: int) -> list[str]:
+    """1F1B's order on stage ``stage_index``: ``num_stages - stage_index - 1`` warm-up forwards, then one forward
+    and one backward in turn, then the remaining backwards.  Refuses what torch's ``Schedule1F1B`` refuses."""
+    S, M, i = num_stages, n_microbatches, stage_index
+    if not 0 <= i < S:
+        raise ValueError(f"stage_index {i} not in 0..{S - 1}")
+    if M < S:
+        raise ValueError(f"1F1B needs n_microbatches >= num_stages, got {M} < {S}")
+    warmup = S - i - 1
+    order = [f"F{m}" for m in range(warmup)]
+    for m in range(M - warmup):
+        order += [f"F{warmup + m}", f"B{m}"]
+    return order + [f"B{m}" for m in range(M - warmup, M)]
+# <<< student edition
 
 
 def bubble_fraction(num_stages: int, n_microbatches: int) -> float:

@@ -2,13 +2,15 @@
 
     course grade [--task 2.2a,project-zero1] [--json] [--impl student|reference] [--seed S]
                                      run the graded tests, print points per task (the learner's code by default)
-    course grade --submissions DIR [--csv FILE] [--force] [--seed S]
+    course grade --submissions DIR [--csv FILE] [--force] [--seed S] [--key KEY]
                                      grade every student copy in DIR with *this* repository's tests: one CSV,
-                                     one feedback file per student (``course_class.py``)
-    course grade --task bug [--seed S] --dir DIR [--answer FILE:FUNCTION]
-                                     the find-the-bug lab (``course_bug.py``)
+                                     one feedback file per student (``course_class.py``); each copy's bug/
+                                     lab graded from the key
+    course grade --task bug --dir DIR --key KEY [--student NAME] [--answer FILE:FUNCTION]
+                                     the find-the-bug lab, graded from the instructor's key (``course_bug.py``)
     course student-copy DIR          the student edition (``course_copy.py``)
-    course bug DIR --seed S          a copy of minifsdp with one planted fault (``course_bug.py``)
+    course bug --roster CSV DIR      one find-the-bug lab per student and the key (``course_bug.py``);
+    course bug DIR --seed S          or one lab
 
 What is graded, and for how many points:
 
@@ -265,15 +267,20 @@ def add_arguments(p) -> None:
     g.add_argument("--force", action="store_true", help="--submissions: write over an earlier run's CSV and feedback")
     g.add_argument("--seed", type=int, default=None,
                    help=f"the grading seed, 0..{MAX_SEED}: the tests draw their inputs from it (default: a fresh one, "
-                        "printed); --task bug: the lab's seed (default: read from --dir)")
+                        "printed); --task bug: the lab's seed, instead of --key")
+    g.add_argument("--key", type=Path, default=None, help="--task bug, --submissions: the key `course bug` wrote")
+    g.add_argument("--student", default=None, help="--task bug: whose lab --dir is (default: its folder's name)")
     g.add_argument("--dir", type=Path, default=None, help="--task bug: the folder `course bug` wrote")
     g.add_argument("--answer", default=None,
                    help="--task bug: the fixed place as FILE:FUNCTION (default: read DIR/ANSWER.txt)")
     c = sub.add_parser("student-copy", help="write the student edition: no answers, a fresh git repository")
     c.add_argument("dir", type=Path)
-    b = sub.add_parser("bug", help="the find-the-bug lab: a copy of minifsdp with one planted fault")
+    b = sub.add_parser("bug", help="the find-the-bug lab: one per student (--roster) or one (--seed), and the key")
     b.add_argument("dir", type=Path)
-    b.add_argument("--seed", type=int, required=True)
+    b.add_argument("--roster", type=Path, default=None, help="a CSV of students: one lab each in DIR/<student>/")
+    b.add_argument("--seed", type=int, default=None, help="one lab's seed; with --roster, which faults (default 0)")
+    b.add_argument("--key", type=Path, default=None, help="one lab: where to write its key (default DIR-key.json)")
+    b.add_argument("--shared-faults", action="store_true", help="--roster: more students than faults is allowed")
 
 
 def run_course(args) -> int:
@@ -293,9 +300,15 @@ def _run(args) -> int:
         print(student_copy(root, args.dir))
         return 0
     if args.course_command == "bug":
-        from minifsdp.tools.course_bug import write_bug_lab
+        from minifsdp.tools.course_bug import check_seed as check_lab_seed
+        from minifsdp.tools.course_bug import write_bug_lab, write_roster_labs
 
-        print(write_bug_lab(root, args.dir, args.seed))
+        if args.roster is not None:
+            print(write_roster_labs(root, args.roster, args.dir, check_lab_seed(args.seed or 0), args.shared_faults))
+        elif args.seed is None:
+            raise CourseError("course bug DIR needs --seed S (one lab) or --roster students.csv (one per student)")
+        else:
+            print(write_bug_lab(root, args.dir, check_lab_seed(args.seed), args.key))
         return 0
     only = [t.strip() for t in args.task.split(",") if t.strip()] if args.task is not None else None
     if only == []:
@@ -306,7 +319,9 @@ def _run(args) -> int:
     if args.submissions is not None:
         from minifsdp.tools.course_class import grade_submissions
 
-        print(f"wrote {grade_submissions(root, args.submissions, args.csv, only, seed=seed, force=args.force)[0]}")
+        written, _ = grade_submissions(root, args.submissions, args.csv, only, seed=seed, force=args.force,
+                                       key=args.key)
+        print(f"wrote {written}")
         return 0
     results = []
     if only and "bug" in only:
@@ -315,7 +330,8 @@ def _run(args) -> int:
         if args.dir is None:
             raise CourseError("--task bug grades the folder `course bug` wrote: give it with --dir DIR")
         graded_rows(root, ["bug"])  # its row must be in points.csv
-        results.append(grade_bug(root, args.dir, seed=args.seed, answer=args.answer))
+        results.append(grade_bug(root, args.dir, seed=args.seed, answer=args.answer, key=args.key,
+                                 student=args.student))
         only = [t for t in only if t != "bug"] or None
         if only is None:
             print(as_json(results) if args.json else table(results))

@@ -92,9 +92,11 @@ def _row_error(rows, message: str) -> list[dict]:
 
 
 def grade_submissions(root: Path, folder: Path, csv_path: Path | None, only: list[str] | None = None,
-                      seed: int = 0, force: bool = False) -> tuple[Path, dict[str, list[dict]]]:
+                      seed: int = 0, force: bool = False, key: Path | None = None
+                      ) -> tuple[Path, dict[str, list[dict]]]:
     """Grade every student copy in ``folder`` into one CSV and a feedback file each: (the CSV, results by student).
-    A copy's ``bug/`` folder, if it holds a lab ``course bug`` wrote, is graded too."""
+    A copy's ``bug/`` folder, if it holds a lab ``course bug`` wrote, is graded too, from the instructor's ``key``
+    (what was planted is read there, never in the student's folder)."""
     from minifsdp.tools.course_bug import grade_bug, has_bug_lab
 
     seed = check_seed(seed)
@@ -114,7 +116,7 @@ def grade_submissions(root: Path, folder: Path, csv_path: Path | None, only: lis
                 results = _row_error(rows, f"{sub.name}: {e}")
         if has_bug_lab(sub / "bug") and (only is None or "bug" in only):
             try:
-                results.append({**grade_bug(root, sub / "bug"), "tests": []})
+                results.append({**grade_bug(root, sub / "bug", key=key, student=sub.name), "tests": []})
             except (CourseError, OSError, ValueError, KeyError) as e:
                 possible = next((r.points for r in read_points(root) if r.task == "bug"), 0)
                 results.append({"task": "bug", "points": 0, "possible": possible, "failed": f"bug lab: {e}",

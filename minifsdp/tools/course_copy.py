@@ -13,23 +13,32 @@ with one commit that an instructor can push:
     tests/test_student_impl.py,             plug the instructor's 2.1a answer into FSDP
       tests/_workers_student.py
     tests/test_exercise_solutions.py,       check the answers and the lab themselves
-      tests/test_course_instructor.py
+      tests/test_course_instructor.py,
+      tests/test_student_edition.py
 
     rewritten
     a block that starts "Reference solution:" (or "**Reference solution:**") in exercises/: the sentence
         AFTER_IT_PASSES instead (its pointer to the answer, in the library or in solutions/, is gone)
     <!-- instructor --> ... <!-- /instructor --> in any Markdown file (on lines of their own, or inside a line):
         removed, with what they hold (how to run a class, the planted faults)
+    a region of the library marked "# >>> student edition: cut" (the textbook ring, ...): each function a
+        stub that runs the student's own (``course_cut.py``), so the student's code is the library's there
+
+    added
+    SYLLABUS.md                             the weeks, what is due when, how to hand in, how points become a
+                                            grade, working together: from the guide (``course_syllabus.py``)
 
 Then it checks the copy, and refuses to finish if one check fails (a file someone adds later must
 say which side it is on): no ``exercises/solutions``; no Python file that imports ``exercises.solutions``;
 no mention of ``exercises/solutions`` or ``exercises.solutions`` in ``exercises/`` or ``tests/`` but where
 the graded tests find their module (ALLOWED); no "Reference solution" left; no Markdown file names a
-file the copy left out.
+file the copy left out; no cut marker left; no answer left: no Python file or notebook holds most of the
+lines of a function of ``exercises/solutions/`` or of a cut region (``course_cut.surviving_answers``).
 
 In the copy, the README's install and test commands work as they are: the task tests are skipped there
-unless ``--impl=student`` is given (``tests/conftest.py``), so untouched stubs fail no test run, and
-``python -m minifsdp course grade`` scores them (the README says so).
+unless ``--impl=student`` is given (``tests/conftest.py``), and ``python -m minifsdp course grade`` scores
+them (the README says so); the library's own tests of a cut function test the student's, and fail
+("Task 2.2a: ...") until that task is done, as minitorch's do.
 """
 
 from __future__ import annotations
@@ -40,8 +49,11 @@ import subprocess
 from pathlib import Path
 
 from minifsdp.tools.course import CourseError
+from minifsdp.tools.course_cut import cut_source, graded_bodies, marked, surviving_answers
+from minifsdp.tools.course_syllabus import write_syllabus
 
-__all__ = ["INSTRUCTOR_ONLY", "AFTER_IT_PASSES", "student_copy", "student_files", "rewrite", "check_copy"]
+__all__ = ["INSTRUCTOR_ONLY", "AFTER_IT_PASSES", "student_copy", "student_files", "rewrite", "check_copy",
+           "check_new_folder"]
 
 INSTRUCTOR_ONLY = (
     "exercises/solutions/",
@@ -53,6 +65,7 @@ INSTRUCTOR_ONLY = (
     "tests/_workers_student.py",
     "tests/test_exercise_solutions.py",
     "tests/test_course_instructor.py",
+    "tests/test_student_edition.py",
 )
 # they say where the instructor's answers would be, and work without them
 ALLOWED = ("tests/exercises/__init__.py", "tests/conftest.py", "tests/test_exercise_grading.py")
@@ -122,7 +135,7 @@ def rewrite(rel: str, text: str) -> tuple[str, list[str]]:
 def check_copy(root: Path, dest: Path) -> list[str]:
     """What in the copy at ``dest`` of ``root`` still gives an answer away, or names a file the copy left out
     (empty: the copy is clean)."""
-    problems = []
+    problems = surviving_answers(graded_bodies(root), dest)
     if (dest / "exercises" / "solutions").exists():
         problems.append("exercises/solutions/ is in the copy")
     for path in sorted(dest.rglob("*")):
@@ -137,12 +150,23 @@ def check_copy(root: Path, dest: Path) -> list[str]:
             problems.append(f"{rel} names exercises/solutions (say it in a 'Reference solution:' block)")
         if rel.startswith("exercises/") and "Reference solution" in text:
             problems.append(f"{rel} still has a 'Reference solution' pointer")
+        if path.suffix == ".py" and marked(text):
+            problems.append(f"{rel} still has a student-edition cut marker")
         if path.suffix == ".md" and ("<!-- instructor -->" in text or "<!-- /instructor -->" in text):
             problems.append(f"{rel}: an unmatched <!-- instructor --> marker")
         if path.suffix == ".md":
             gone = sorted({p for p in _PATH.findall(text) if (root / p).exists() and not (dest / p).exists()})
             problems += [f"{rel} names {p}, which the student edition leaves out" for p in gone]
     return problems
+
+
+def check_new_folder(dest: Path, what: str) -> None:
+    """``dest`` is a folder ``what`` can be written to: new, or empty (a file there, or above it, is refused)."""
+    for p in (dest, *dest.parents):
+        if p.exists() and not p.is_dir():
+            raise CourseError(f"{p} is a file, not a folder: give a new folder for {what}")
+    if dest.exists() and any(dest.iterdir()):
+        raise CourseError(f"{dest} is not empty: give a new folder for {what}")
 
 
 def _git(dest: Path, *args: str) -> str:
@@ -154,8 +178,7 @@ def _git(dest: Path, *args: str) -> str:
 def student_copy(root: Path, dest: Path) -> str:
     """Write the student edition of ``root`` into ``dest`` (new or empty), commit it once; a summary to print."""
     root, dest = root.resolve(), dest.resolve()
-    if dest.exists() and any(dest.iterdir()):
-        raise CourseError(f"{dest} is not empty: give a new folder for the student edition")
+    check_new_folder(dest, "the student edition")
     if dest == root or root in dest.parents:
         raise CourseError(f"{dest} is inside the repository {root}: give a folder outside it")
     if shutil.which("git") is None:
@@ -169,11 +192,15 @@ def student_copy(root: Path, dest: Path) -> str:
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.suffix in (".py", ".md"):
             text, changed = rewrite(rel, src.read_text())
+            if rel.startswith("minifsdp/") and rel.endswith(".py"):
+                text, cuts = cut_source(root, rel, text)
+                changed += [f"{', '.join(f[0] for c in cuts for f in c.functions)} cut"] if cuts else []
             dst.write_text(text)
             if changed:
                 changes[rel] = changed
         else:
             shutil.copy2(src, dst)
+    write_syllabus(root, dest)
     problems = check_copy(root, dest)
     if problems:
         raise CourseError("the student edition would give answers away or point nowhere; fix these in the "
@@ -184,7 +211,8 @@ def student_copy(root: Path, dest: Path) -> str:
     _git(dest, "commit", "-q", "-m", "minifsdp, student edition")
     commit = _git(dest, "rev-parse", "--short", "HEAD")
     left_out = sorted({p for p in INSTRUCTOR_ONLY if (root / p).exists()})
-    lines = [f"wrote the student edition to {dest}: {len(files)} files, one commit ({commit}) on branch main",
+    lines = [f"wrote the student edition to {dest}: {len(files) + 1} files (SYLLABUS.md written from the guide), "
+             f"one commit ({commit}) on branch main",
              f"left out: {', '.join(left_out)}",
              f"rewritten: {len(changes)} files ({', '.join(sorted(changes))})",
              "its README's commands work as they are; students grade themselves with `python -m minifsdp course grade`"]

@@ -17,7 +17,8 @@ Events (times in seconds since the tracer started):
 
 The core knows nothing of tracers.  Attached, a tracer joins every unit as an extension
 (``minifsdp/fsdp/core/extension.py``: the compute spans open at ``after_unshard`` and close at
-``after_reshard``; ``before_unshard`` says whether the next all-gather is a prefetch) and wraps
+``after_reshard``; ``before_unshard`` says whether the next all-gather is a prefetch, and a unit whose
+views a forward prefetch made starts computing when its forward has waited for that all-gather) and wraps
 the unit's collectives (``handle.comm``), whose calls and waits are the other events.  Every
 span is also a ``torch.profiler.record_function`` range, so the same names appear in a
 ``torch.profiler`` trace next to gloo's own ops (:func:`profile_to_chrome_trace`).
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.fsdp.core.extension import Extension
-from minifsdp.fsdp.core.state import TrainingState
+from minifsdp.fsdp.core.state import HandleState, TrainingState
 from minifsdp.fsdp.core.units import units
 
 __all__ = ["Tracer", "profile_to_chrome_trace"]
@@ -170,7 +171,10 @@ class _Spans(Extension):
 
     def after_unshard(self, unit) -> None:
         kind = _KIND.get(unit.training_state)
-        if kind is not None:
+        if kind == "forward" and self.comm.prefetch:  # a forward prefetch made the views: the unit computes
+            if unit._handle.state is HandleState.GATHERING:  # once its own forward has waited for the gather
+                self.comm.last_gather.then = lambda: self.tracer.open(kind, unit._handle.name)
+        elif kind is not None:
             self.tracer.open(kind, unit._handle.name)
 
     def after_reshard(self, unit) -> None:
@@ -185,10 +189,15 @@ _KIND = {TrainingState.FORWARD: "forward", TrainingState.PRE_BACKWARD: "backward
 class _TracedWork:
     def __init__(self, work, tracer: Tracer, kind: str, unit: str):
         self.work, self.tracer, self.kind, self.unit = work, tracer, kind, unit
+        self.then = None  # what starts once the wait is over (a prefetched unit's forward span)
 
     def wait(self):
         with self.tracer.span(self.kind, self.unit):
-            return self.work.wait()
+            out = self.work.wait()
+        if self.then is not None:
+            self.then, then = None, self.then
+            then()
+        return out
 
     def __getattr__(self, name):
         return getattr(self.work, name)
@@ -200,11 +209,15 @@ class _TracedComm:
 
     def __init__(self, inner, tracer: Tracer, handle):
         self.inner, self.tracer, self.handle, self.prefetch = inner, tracer, handle, False
+        self.last_gather: _TracedWork | None = None
 
     def _traced(self, what: str, collective, *args, **kwargs):
         extra = {"prefetch": self.prefetch} if what == "all-gather" else {}
         self.tracer.instant(f"{what} issued", self.handle.name, **extra)
-        return _TracedWork(collective(*args, **kwargs), self.tracer, f"{what} wait", self.handle.name)
+        work = _TracedWork(collective(*args, **kwargs), self.tracer, f"{what} wait", self.handle.name)
+        if what == "all-gather":
+            self.last_gather = work
+        return work
 
     def all_gather(self, *args, **kwargs):
         return self._traced("all-gather", self.inner.all_gather, *args, **kwargs)

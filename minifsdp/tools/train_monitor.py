@@ -36,6 +36,7 @@ import statistics
 __all__ = ["find_instability", "exposed_communication"]
 
 
+# >>> student edition: cut; exercises/practice_tasks.py runs here (tasks 3.2b, 3.3)
 def find_instability(records: list[dict], jump: float = 3.0, window: int = 5) -> list[tuple[int, str]]:
     """``[(step, reason)]`` for every bad step of a job's log, in log order.
 
@@ -87,3 +88,4 @@ def exposed_communication(events: list[dict]) -> dict[str, float]:
     waits = total["all-gather"] + total["reduce-scatter"]
     total["fraction"] = waits / total["step"] if total["step"] > 0 else 0.0
     return total
+# <<< student edition

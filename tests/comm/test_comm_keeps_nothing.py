@@ -128,3 +128,94 @@ def test_torch_collectives_let_go_before_wait_returns():
         while kept:  # the slow thread's holds, before the group goes
             time.sleep(0.01)
         del group
+
+
+LETS_GO_HOLD_S = 0.2  # each of the planted thread's two holds, in the torch_lets_go test below
+
+
+def _fsdp1_all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """torch FSDP1's all-gather on the CPU: a list of chunks, ``dist.all_gather`` (``_flat_param.py``,
+    ``FlatParamHandle._all_gather_flat_param``; on a GPU it calls ``all_gather_single``)."""
+    dist.all_gather(list(torch.chunk(out, dist.get_world_size(group))), inp, group=group)
+
+
+def _fsdp1_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """torch FSDP1's reduce-scatter (``_runtime_utils.py``, ``_reduce_grad``): positional tensors."""
+    dist.reduce_scatter_single(out, inp, group=group)
+
+
+def _fsdp2_all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """torch FSDP2's, its own object (``_fsdp_collectives.py``'s ``DefaultAllGather``), called as
+    ``foreach_all_gather`` calls it: keywords, async, then waited on."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    DefaultAllGather()(output_tensor=out, input_tensor=inp, group=group, async_op=True).wait()
+
+
+def _fsdp2_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """torch FSDP2's ``DefaultReduceScatter`` as ``foreach_reduce`` calls it; it calls
+    ``dist.reduce_scatter_single(output=..., input=...)``: keywords only."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    DefaultReduceScatter()(output_tensor=out, input_tensor=inp, group=group, op=dist.ReduceOp.SUM)
+
+
+def _both_all_reduce(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """FSDP1's NO_SHARD and clipping, FSDP2's HSDP: ``dist.all_reduce(t, group=...)``."""
+    dist.all_reduce(inp, group=group)
+    out.copy_(inp)
+
+
+_TORCH_FSDP_CALLS = {"fsdp1_all_gather": ("all_gather", _fsdp1_all_gather),
+                     "fsdp1_reduce_scatter": ("reduce_scatter_single", _fsdp1_reduce_scatter),
+                     "fsdp2_all_gather": ("all_gather_single", _fsdp2_all_gather),
+                     "fsdp2_reduce_scatter": ("reduce_scatter_single", _fsdp2_reduce_scatter),
+                     "all_reduce": ("all_reduce", _both_all_reduce)}
+
+
+@pytest.mark.parametrize("call", list(_TORCH_FSDP_CALLS))
+def test_torch_lets_go_covers_each_collective_torch_fsdp_calls(call):
+    """``torch_lets_go()`` (what the census comparisons with torch run torch's side in) must hold back each
+    collective torch's FSDP1 and ``fully_shard`` call, called as they call it (positional, keywords, a list of
+    chunks), until gloo's thread lets go of the tensors.  Planted as above: a slow thread that keeps each work
+    ``LETS_GO_HOLD_S``, then its arguments as long again.  Once the call returns, the input the caller drops must
+    be freed at once (a weak reference to its storage).  The calls' names are torch 2.13's (``dist.all_gather``
+    on the CPU for FSDP1, ``all_gather_single`` for FSDP2, ``reduce_scatter_single`` for both); one rank of gloo,
+    the default group of this process for the test's length (the single-tensor calls need one)."""
+    name, issue = _TORCH_FSDP_CALLS[call]
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    real, kept = getattr(dist, name), {}
+
+    def let_go_later(work_key, args_key):
+        time.sleep(LETS_GO_HOLD_S)
+        del kept[work_key]
+        time.sleep(LETS_GO_HOLD_S)
+        del kept[args_key]
+
+    def slow_to_let_go(*args, **kwargs):
+        work = real(*args, **kwargs)
+        keys = (object(), object())
+        kept[keys[0]], kept[keys[1]] = work, (args, kwargs)
+        threading.Thread(target=let_go_later, args=keys).start()
+        return work
+
+    try:  # (a wait that gives up at its deadline would free it too: a deadline of 60 s tells the two apart)
+        with mock.patch.object(dist, name, slow_to_let_go), mock.patch.object(C, "LET_GO_S", 60.0), \
+                C.torch_lets_go():
+            out, inp = torch.empty(1000), torch.ones(1000)
+            memory = inp.untyped_storage()._weak_ref()
+            start = time.monotonic()
+            issue(out, inp, group)
+            took = time.monotonic() - start
+            del inp
+            gone = torch.UntypedStorage._expired(memory)
+            torch.UntypedStorage._free_weak_ref(memory)
+            assert torch.equal(out, torch.ones(1000)), "the collective's result"
+            assert gone, f"{call}: the input's memory outlives the call inside torch_lets_go (dist.{name})"
+            assert took < 30, f"{call}: the wait ran to its deadline ({took:.1f} s): it never saw gloo let go"
+    finally:
+        while kept:  # the slow thread's holds, before the group goes
+            time.sleep(0.01)
+        dist.destroy_process_group()

@@ -16,6 +16,12 @@ from minifsdp.comm import ring as textbook
 from minifsdp.comm.ring_sim import RingStep, print_ring, simulate_ring_all_reduce
 from tests.comm._ring_threads import run_ranks
 
+# The student edition cuts the textbook ring out of its library and runs the student's there (task 2.2,
+# minifsdp/learner.py): what only the library's own ring promises is not asked of theirs.
+LIBRARY_RING = pytest.mark.skipif("cut from the student edition" in (textbook.ring_all_reduce.__doc__ or ""),
+                                  reason="the student edition: the textbook ring is yours (task 2.2); its argument "
+                                         "checks and the tuned ring's bits for any size are the library's own")
+
 
 # ----------------------------------------------------------------------------- no ranks
 @pytest.mark.parametrize("numel,n,sizes", [(10, 4, [3, 3, 2, 2]), (3, 5, [1, 1, 1, 0, 0]), (0, 3, [0, 0, 0]),
@@ -71,6 +77,7 @@ def test_print_ring_shows_every_step(capsys):
     assert "[6.0, 12.0, 18.0]" in capsys.readouterr().out
 
 
+@LIBRARY_RING
 def test_collective_before_init_says_how_to_fix():
     with pytest.raises(RuntimeError, match="init_process_group"):
         C.ring_all_reduce(torch.ones(3))
@@ -140,6 +147,7 @@ def _both_rings(group, numel: int, dtype: torch.dtype, op: str) -> list[torch.Te
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("dtype,op", [(d, op) for d in (torch.float32, torch.float16, torch.bfloat16)
                                       for op in ("sum", "avg")] + [(torch.int64, "sum")])  # int avg raises
+@LIBRARY_RING
 def test_tuned_ring_on_thread_ranks_is_bitwise_the_textbook(n, dtype, op):
     """Random data (every rounding counts); 1001 and 5 x 2**18 + 5 elements: no world size divides them,
     and the second moves in pipelined pieces.  The multi-rank twin on gloo: tests/test_collectives.py,

@@ -13,6 +13,8 @@ Each task first shows its checks rejecting wrong solutions (the bias added on ev
 GPipe order, a warm-up one too long), then grades the implementation.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,20 +25,14 @@ from minifsdp.parallel.pipeline_schedules import action_order
 
 
 # ----------------------------------------------------------------------------- the oracles, from the library
-def _rowwise_oracle(x, weight, bias, world_size):
-    """Our RowwiseParallel's math, one process: its own cut (``tp._take``), ``F.linear``, the sum in rank order."""
-    if weight.shape[1] % world_size:
-        raise ValueError(f"in_features={weight.shape[1]} is not divisible by {world_size}")
-    partials = []
-    for r in range(world_size):
-        w_r = tp._take(weight, tp.TPShard(1, r, world_size, 1, tuple(weight.shape)))  # RowwiseParallel's cut
-        x_r = tp._take(x, tp.TPShard(x.dim() - 1, r, world_size, 1, tuple(x.shape)))  # a colwise layer's output
-        partials.append(F.linear(x_r, w_r))
-    total = partials[0].clone()
-    for p in partials[1:]:
-        total = total + p  # the all-reduce, in rank order
-    out = total if bias is None else total + bias  # the whole bias, once, after the sum
-    return partials, [out.clone() for _ in range(world_size)]
+def _cut(t, r, world_size):
+    """Rank r's columns of ``t`` (its last dimension), as our RowwiseParallel cuts them (``tp._take``)."""
+    return tp._take(t, tp.TPShard(t.dim() - 1, r, world_size, 1, tuple(t.shape)))
+
+
+def _rank_products(x, weight, world_size):
+    """Each rank's ``F.linear`` of its slice of the input and its slice of the weight (no communication)."""
+    return [F.linear(_cut(x, r, world_size), _cut(weight, r, world_size)) for r in range(world_size)]
 
 
 def _refuse_bad_stages(stage_index, num_stages, n_microbatches):
@@ -64,26 +60,29 @@ def _check_row_parallel(f):
         w, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
         xc, wc, bc = x.clone(), w.clone(), None if b is None else b.clone()
         partials, outputs = f(x, w, b, n)
-        ref_partials, ref_outputs = _rowwise_oracle(x, w, b, n)
+        products = _rank_products(x, w, n)
+        reduced = functools.reduce(torch.add, products)  # the all-reduce's sum, rank 0's first
         assert torch.equal(x, xc) and torch.equal(w, wc) and (b is None or torch.equal(b, bc)), "inputs modified"
         assert len(partials) == len(outputs) == n, f"{n} ranks: got {len(partials)} partials, {len(outputs)} outputs"
         for r in range(n):
             assert partials[r].shape == outputs[r].shape == (*shape[:-1], out_f), f"rank {r}: shape"
-            assert torch.equal(partials[r], ref_partials[r]), f"rank {r}'s partial: not x_r @ W_r^T of its slices"
-            assert torch.equal(outputs[r], ref_outputs[r]), f"rank {r}'s output: not sum of partials + bias"
+            assert torch.equal(partials[r], products[r]), f"rank {r}'s partial: not x_r @ W_r^T of its slices"
+            assert torch.equal(outputs[r], reduced if b is None else reduced + b), \
+                f"rank {r}'s output: not sum of partials + bias"
             torch.testing.assert_close(outputs[r], lin(x).detach(), rtol=0, atol=1e-5)
     with pytest.raises(ValueError):
         f(torch.randn(2, 6), torch.randn(3, 6), None, 4)
 
 
 def _bias_on_every_rank(x, w, b, n):
-    parts, outs = _rowwise_oracle(x, w, b, n)
-    return parts, [o + (n - 1) * b if b is not None else o for o in outs]  # b added before the sum: N times
+    products = _rank_products(x, w, n)
+    with_bias = [p if b is None else p + b for p in products]  # b added before the sum: N times
+    return products, [functools.reduce(torch.add, with_bias)] * n
 
 
 def _no_all_reduce(x, w, b, n):
-    parts, _ = _rowwise_oracle(x, w, b, n)
-    return parts, [p if b is None else p + b for p in parts]
+    products = _rank_products(x, w, n)
+    return products, [p if b is None else p + b for p in products]
 
 
 def test_task4_4a_row_parallel_linear(learner):

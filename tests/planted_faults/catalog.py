@@ -465,10 +465,10 @@ FAULTS = [
     Fault(
         name="orig_params_frozen_at_wrap_stay_detached",
         plants="use_orig_params: a parameter's forward view is detached if it was frozen when wrapped (the slot's "
-               "flag), not if it is frozen now, so unfreezing it later gives it no gradient",
+               "flag), so unfreezing it later gives it no gradient (torch never detaches a view)",
         target="minifsdp.fsdp.orig_params:OrigParams.use_unsharded_views",
-        old="if not slot.param.requires_grad:",
-        new="if not slot.requires_grad:",
+        old="set_tensor_attr(slot.module, slot.name, v)",
+        new="set_tensor_attr(slot.module, slot.name, v if slot.requires_grad else v.detach())",
         test="tests/test_fsdp_regimes_torch.py::"
              "test_requires_grad_changed_after_wrapping_trains_as_torch[linears-True-unfreeze]",
         why="progressive unfreezing: the first Linear's weight frozen before wrapping, unfrozen after a step; torch "

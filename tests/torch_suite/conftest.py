@@ -4,6 +4,7 @@ The batch of a module (see ``_harness.py``) runs exactly the cases pytest select
 ``-m`` deselection, which is known only once collection finishes.
 """
 
+from tests._selection import module_name
 from tests.torch_suite import _harness
 
 
@@ -15,5 +16,5 @@ def pytest_collection_finish(session):
     _harness.SELECTED.clear()
     for item in session.items:
         cid = getattr(getattr(item, "callspec", None), "params", {}).get("cid")
-        if cid is not None and item.module.__name__.startswith("tests.torch_suite."):
-            _harness.SELECTED.setdefault(item.module.__name__, []).append(cid)
+        if cid is not None and module_name(item).startswith("tests.torch_suite."):
+            _harness.SELECTED.setdefault(module_name(item), []).append(cid)

@@ -10,8 +10,8 @@ the step (``fsdp.py``) calls at nine fixed points, each a moment torch's own run
     before_forward  each pre-forward, inputs cast, nothing gathered yet      _root_pre_forward, _pre_forward
     before_unshard  before every all-gather (forward, prefetch, backward,    FlatParamHandle.pre_unshard
                     summon_full_params)
-    after_unshard   full parameters in use: the forward's views, the         _use_unsharded_flat_param
-                    pre-backward's gather, summon_full_params's show
+    after_unshard   the forward's views (a forward prefetch's: before the    _use_unsharded_flat_param
+                    unit's forward), the pre-backward's gather, summon's show
     after_forward   the forward's output is known                            _post_forward
     after_reshard   resharded after forward, backward, at the end: freed     FlatParamHandle.post_reshard
                     or kept, as the plan says

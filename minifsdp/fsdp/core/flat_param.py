@@ -145,14 +145,15 @@ def unflatten(flat: torch.Tensor, layout: FlatParamLayout) -> list[torch.Tensor]
     torch: autograd sees a single node that gathers the views' gradients into one flat gradient.
 
     torch's ``FlatParamHandle`` splits the same way (``torch.split(tensor, flat_param._numels)``) and views
-    each piece in its shape; our ``sizes`` add a piece for each gap, which ``keep`` then drops."""
+    each piece in its shape; our ``sizes`` add a piece for each gap (and the padding after the last one, if
+    ``flat`` has it), which ``keep`` then drops."""
     sizes, keep, pos = [], [], 0
     for s in layout.slots:
         gap = s.offset - pos  # a gap the layout left between two parameters: a piece nobody keeps
         sizes += [gap, s.numel] if gap else [s.numel]
         keep += [False, True] if gap else [True]
         pos = s.offset + s.numel
-    if flat.numel() != layout.numel:  # (a slice only when needed: autograd would copy through it)
-        flat = flat[: layout.numel]
+    tail = flat.numel() - pos  # the padding after the last one, where ``flat`` has it: nobody keeps it either
+    sizes, keep = sizes + [tail] * bool(tail), keep + [False] * bool(tail)
     views = [p for p, k in zip(flat.split(sizes), keep) if k]  # 1-D pieces, then each viewed in its shape
     return [v.view(s.shape) for v, s in zip(views, layout.slots)]

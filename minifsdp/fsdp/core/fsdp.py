@@ -49,15 +49,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.distributed.utils import _apply_to_tensors
 
 from minifsdp.comm import get_collectives
 from minifsdp.fsdp.core.extension import Extensions
 from minifsdp.fsdp.core.flat_param import build_layout
 from minifsdp.fsdp.core.handle import FlatParamHandle
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, cast_buffers, cast_floating
-from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, can_prefetch
-from minifsdp.fsdp.core.state import TrainingState
+from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, FreeEvents, can_prefetch
+from minifsdp.fsdp.core.state import HandleState, TrainingState
 from minifsdp.fsdp.core.strategy import ShardingPlan, resolve_groups
 from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units
 from minifsdp.fsdp.core.wrap import recursive_wrap
@@ -73,6 +73,7 @@ class RootStep:
     final_callback_queued: bool = False
     # (id(module), name) -> dtype before buffer_dtype's cast
     buffer_dtypes: dict = field(default_factory=dict)
+    free_events: FreeEvents = field(default_factory=FreeEvents)  # limit_all_gathers' (prefetch.py)
 
 class FullyShardedDataParallel(Unit):
     """Shard ``module``'s parameters over ``process_group``; arguments named and meant as torch's.
@@ -105,14 +106,12 @@ class FullyShardedDataParallel(Unit):
         plan = ShardingPlan.of(sharding_strategy)
         self.groups = resolve_groups(plan, process_group)
         self.plan = plan = plan.on(self.groups)
-        # (torch's attribute)
-        self.sharding_strategy = plan.strategy
+        self.sharding_strategy = plan.strategy  # (torch's attribute)
         # minifsdp.comm: ours or torch.distributed's, one interface
         self.comm = get_collectives(collectives)
         self.mixed_precision, self.limit_all_gathers = mixed_precision, limit_all_gathers
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
-        self._extensions = Extensions(extensions)
-        self.training_state = TrainingState.IDLE
+        self._extensions, self.training_state = Extensions(extensions), TrainingState.IDLE
         if auto_wrap_policy is not None:  # children first (post-order): each takes its parameters before we do
             kwargs = dict(process_group=process_group, sharding_strategy=plan.strategy, collectives=collectives,
                           backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
@@ -123,11 +122,9 @@ class FullyShardedDataParallel(Unit):
         if self._handle is not None:
             # wrapped: the parameters are sharded, as after every reshard
             self._extensions.after_reshard(self)
-        # set at the first forward (_lazy_init)
-        self._root: FullyShardedDataParallel | None = None
-        # the root's only
-        self._root_step: RootStep | None = None
-        # False inside no_sync(); the hook on the handle's gradient leaf, once the leaf requires grad:
+        # set at the first forward (_lazy_init): the root unit; on the root only, its RootStep
+        self._root, self._root_step = None, None
+        # False inside no_sync(); the hook on the handle's gradient leaf (or its node), once the leaf requires grad:
         self._sync_gradients, self._post_backward_handle = True, None
         self._register_post_backward_hook()
 
@@ -149,6 +146,10 @@ class FullyShardedDataParallel(Unit):
     # ================================================================== 1. forward
     # torch: FullyShardedDataParallel.forward: _root_pre_forward, _pre_forward, the module, _post_forward.
     def forward(self, *args, **kwargs):
+        # a checkpoint recomputing it inside its backward (autograd's task id is -1 outside one: not a backward
+        # that died in PRE_BACKWARD): gathered already, no hooks, as torch's _pre_forward and _post_forward
+        if self.training_state is TrainingState.PRE_BACKWARD and torch._C._current_graph_task_id() != -1:
+            return self._fsdp_wrapped_module(*args, **kwargs)
         # a second forward before the backward
         again = self.training_state is TrainingState.AWAITING_BACKWARD
         args, kwargs = self._pre_forward(args, kwargs)
@@ -166,8 +167,7 @@ class FullyShardedDataParallel(Unit):
         self._root_step = step
         for unit in step.units:
             if unit._handle is not None:
-                # its module path, for messages and timelines
-                unit._handle.name = names[id(unit)]
+                unit._handle.name = names[id(unit)]  # its module path, for messages and timelines
             if unit is not self and unit.is_root:
                 raise RuntimeError("a nested FSDP unit ran forward on its own before its parent; "
                                    "call the outermost FSDP module")
@@ -194,46 +194,44 @@ class FullyShardedDataParallel(Unit):
         if mp is not None and mp.cast_forward_inputs and h is not None:
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         self._extensions.before_forward(self, args, kwargs)
-        if self.is_root and self.training_state is not TrainingState.AWAITING_BACKWARD:
-            # Full parameters kept since their gather (the root's; SHARD_GRAD_OP's under no_sync) are used
-            # again, unless an optimizer step changed their shard since: then they are stale, gather again.
-            for unit in self._root_step.units:
-                if unit._handle is not None and unit._handle.stale():
-                    unit._handle.reshard()
         # a unit that has started to require grad since wrapping
         self._register_post_backward_hook()
         self.training_state = TrainingState.FORWARD
+        step = self._root._root_step
+        step.order.record_pre_forward(self)
         if h is not None:
-            step = self._root._root_step
-            step.order.record_pre_forward(self)
+            prefetched = h.state is HandleState.GATHERING  # its views made then (prefetch.py, Note (views))
             self._unshard()
+            if not prefetched:  # module.weight ... become views of the full buffer, as the module expects
+                h.use_unsharded_views()
+                self._extensions.after_unshard(self)
             if self._root.forward_prefetch:
                 self._prefetch(step.order.next_in_forward(self), in_backward=False)
-            # module.weight ... are views of the full buffer, as the module expects
-            h.use_unsharded_views()
-            self._extensions.after_unshard(self)
         return args, kwargs
 
     def _post_forward(self, again: bool) -> None:
         """torch's ``_post_forward`` (``_post_forward_reshard`` decides alike): free the parameters if the plan
         says so (never the root's: its backward comes at once, so freeing them would only gather them again)."""
-        h = self._handle
-        if h is not None:
+        if self._handle is not None:
             # the backward runs in the reverse order
             self._root._root_step.order.record_post_forward(self)
-            h.reshard(free=not self.is_root and self.plan.frees_after_forward)
-            self._extensions.after_reshard(self)
+            self._reshard(free=not self.is_root and self.plan.frees_after_forward)
         self.training_state = TrainingState.AWAITING_BACKWARD if again else TrainingState.IDLE
 
     def _register_pre_backward_hooks(self, out) -> None:
         """torch's ``_register_pre_backward_hooks``: autograd calls :meth:`_pre_backward_hook` when it reaches
         one of the outputs, that is, just before it needs this unit's parameters again.  Why the outputs?
-        Autograd has no "this module's backward begins" event: an output's gradient is the first thing it gets."""
+        Autograd has no "this module's backward begins" event: an output's gradient is the first thing it gets.
+        Found by torch FSDP1's walk (``_apply_to_tensors``), into dataclasses and dict subclasses (leaves to
+        ``tree_flatten``: no hook); torch returns the nest it rebuilt (a dict subclass as a dict), ours the output."""
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(self._pre_backward_hook)
-            if tensors:
+            if self.is_root:  # (torch: a backward that died before its callback ran leaves no flag set)
+                self._root_step.final_callback_queued = False
+            hooked = []  # flags, never the tensors: torch's walk is a closure that calls itself, a cycle only the
+            # garbage collector frees, so a list of outputs it filled would outlive the backward (2 KB in the MLP)
+            _apply_to_tensors(lambda t: (t.requires_grad and hooked.append(t.register_hook(self._pre_backward_hook)
+                                                                             is not None)) or t, out)
+            if hooked:
                 self.training_state = TrainingState.AWAITING_BACKWARD
 
     # ================================================================== 2. backward
@@ -243,15 +241,16 @@ class FullyShardedDataParallel(Unit):
         again (once per backward), and start gathering the next unit's early (BACKWARD_PRE).
 
         Why queue the final callback here?  Autograd runs a callback queued during a backward once that whole
-        backward is done, and this is our first hook to fire in it (normally the root's, nearest the loss);
-        torch queues it the same way (``_register_post_backward_final_callback``)."""
+        backward is done, and this is our first hook to fire in it (normally the root's, nearest the loss).  torch
+        queues it from the root's only: a backward that misses the root's outputs (a loss on an inner output kept
+        aside) ends there with units mid-backward, sharded gradients outside ``.grad`` (``test_fsdp_outputs.py``)."""
         root, step = self._root, self._root._root_step
-        if not step.final_callback_queued:  # the first pre-backward of this backward: the root's
+        if not step.final_callback_queued:  # the first pre-backward of this backward (normally the root's)
             step.final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._post_backward_final_callback)
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             # another of its outputs already brought it here
-            return None
+            return
         self.training_state = TrainingState.PRE_BACKWARD
         h = self._handle
         if h is not None:
@@ -261,7 +260,6 @@ class FullyShardedDataParallel(Unit):
                 self._prefetch(step.order.next_in_backward(self), in_backward=True)
             self._extensions.after_unshard(self)
             h.gradient.prepare()
-        return None
 
     def _post_backward_hook(self) -> None:
         """torch's ``_post_backward_hook``: autograd has summed this unit's full gradient (a hook on its leaf);
@@ -282,16 +280,15 @@ class FullyShardedDataParallel(Unit):
         for unit in [u for u in step.units if u is not self and u._handle is not None] + [self]:
             unit._finish_reduction()
         h.gradient.start_reduce()
-        if h.sharded and h.flat_param.device.type == "cpu":
-            # torch FSDP1 on CPU reduce-scatters synchronously in this hook: a unit's full gradient never
-            # outlives it (one in flight would hold it through the next unit's backward: +1 block at the peak).
+        if h.flat_param.device.type == "cpu":
+            # torch FSDP1 on CPU reduces synchronously in this hook: a unit's full gradient never outlives it (+1
+            # block at the peak), and NO_SHARD's, reduced in place, is done before autograd may add to it again.
             self._finish_reduction()
 
     def _post_backward_reshard(self) -> None:
         """torch's ``_post_backward_reshard``: free the parameters (as the plan says), then the BACKWARD_POST
         prefetch of the unit the backward needs next."""
-        self._handle.reshard(free=self._should_free_in_backward())
-        self._extensions.after_reshard(self)
+        self._reshard(free=self._should_free_in_backward())
         if self._root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._root._root_step.order.next_in_backward(self), in_backward=True)
 
@@ -303,29 +300,24 @@ class FullyShardedDataParallel(Unit):
 
     # ================================================================== 3. end of backward
     def _post_backward_final_callback(self) -> None:
-        """torch's ``_post_backward_final_callback`` (queued by the root's first pre-backward): autograd is done;
-        finish every reduction still in flight, free what is left, every unit back to IDLE.
+        """torch's ``_post_backward_final_callback`` (queued by the first pre-backward): autograd is done;
+        finish every reduction still in flight, free what is left, every unit back to IDLE.  (torch's first makes
+        the compute stream wait for the reduction streams, then ``_ExecOrderData.next_iter``, then
+        ``_catch_all_reshard`` and ``_finalize_params`` for every unit; ours waits unit by unit.)
 
-        torch's first makes the compute stream wait for the reduction streams, then ``_ExecOrderData.next_iter``,
-        then ``_catch_all_reshard`` and ``_finalize_params`` for every unit; ours waits unit by unit."""
-        step = self._root_step
-        for unit in step.units:
-            unit._catch_all_reshard()
-        step.final_callback_queued = False
-        step.order.end_iteration()
-
-    def _catch_all_reshard(self) -> None:
-        """torch's ``_catch_all_reshard`` and ``_finalize_params``, for this unit.
-
-        Why a catch-all?  A unit's post-backward hook runs only if its parameters got a gradient; one whose
-        pre-backward gathered them but whose parameters got none (its output reached the loss by a path that
-        skips them) would stay gathered into the next step."""
-        self.training_state = TrainingState.IDLE
-        if self._handle is not None:
-            self._finish_reduction()
-            self._handle.reshard(free=self._should_free_in_backward())
-            self._extensions.after_reshard(self)
-        self._extensions.after_backward(self)
+        Why a catch-all reshard?  A unit's post-backward hook runs only if its parameters got a gradient; one whose
+        pre-backward gathered them but whose parameters got none (its output reached the loss by a path that skips
+        them) would stay gathered into the next step.  One the backward never reached stays as its forward left
+        it, as torch's (SHARD_GRAD_OP's kept: the next forward gathers nothing; ``test_fsdp_regimes_torch.py``)."""
+        for unit in self._root_step.units:
+            if unit._handle is not None:
+                unit._finish_reduction()
+                if unit.training_state is TrainingState.PRE_BACKWARD:  # gathered by this backward, never freed
+                    unit._reshard(free=unit._should_free_in_backward())
+            unit.training_state = TrainingState.IDLE
+            unit._extensions.after_backward(unit)
+        self._root_step.final_callback_queued = False
+        self._root_step.order.end_iteration()
 
     # ================================================================== 4. the optimizer step
     # Nothing to do: ``model.parameters()`` yields each unit's ``flat_param``, this rank's shard, and
@@ -335,20 +327,36 @@ class FullyShardedDataParallel(Unit):
 
     # ================================================================== helpers of the phases above
     def _unshard(self) -> None:
-        """torch's ``_unshard``: gather this unit's parameters and wait for them."""
-        self._start_unshard()
+        """torch's ``_unshard``: gather this unit's parameters and wait for them (prefetched: only wait, as torch)."""
+        if self._handle.state is not HandleState.GATHERING:
+            self._start_unshard()
         self._handle.wait_unshard()
 
     def _start_unshard(self, prefetch: bool = False) -> None:
         """Issue the all-gather and return: the half of :meth:`_unshard` a prefetch runs (it waits later)."""
         self._extensions.before_unshard(self, prefetch)
+        # limit_all_gathers (prefetch.py, Note (the limit)); the queue stays empty without it
+        self._root._root_step.free_events.wait_before_all_gather()
         self._handle.start_unshard()
 
+    def _reshard(self, free: bool) -> None:
+        """torch's ``_reshard``: free the full parameters or keep them; a free is queued for limit_all_gathers."""
+        if free and self._root.limit_all_gathers and self._handle.state is not HandleState.SHARDED:
+            self._root._root_step.free_events.record_free(self._handle.flat_param.device)
+        self._handle.reshard(free=free)
+        self._extensions.after_reshard(self)
+
     def _prefetch(self, target, in_backward: bool) -> None:
-        """torch's ``_prefetch_handle``: start ``target``'s all-gather now, if it needs one and the limit allows
-        (the unit makes its views in its own pre-forward: ``prefetch.py``, Note (views))."""
-        if can_prefetch(target, self._root._root_step.units, self._root.limit_all_gathers, in_backward):
+        """torch's ``_prefetch_handle``: start ``target``'s all-gather now if it needs one; in the forward, make its
+        views too, the target in FORWARD state meanwhile, as torch's (``prefetch.py``, Note (views))."""
+        if can_prefetch(target, in_backward) and in_backward:
             target._start_unshard(prefetch=True)
+        elif can_prefetch(target, in_backward):
+            before, target.training_state = target.training_state, TrainingState.FORWARD
+            target._start_unshard(prefetch=True)
+            target._handle.use_unsharded_views()
+            target._extensions.after_unshard(target)
+            target.training_state = before
 
     def _finish_reduction(self) -> None:
         """Wait for this unit's reduction in flight, if any, and tell the extensions its gradient is there."""
@@ -361,13 +369,17 @@ class FullyShardedDataParallel(Unit):
 
         Why after accumulation?  Autograd sums every use's contribution (each view, a tied weight's two names)
         before the leaf's AccumulateGrad runs once, so this hook sees the whole gradient.  torch registers on
-        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``), once."""
+        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``) once, and
+        holds it (the leaf's reference is weak); so do we where each call's gradient comes in alone (``handle.py``,
+        ``_OneCall``): the node runs after them all with none to add, when a hook on the leaf would not run."""
         h = self._handle
         if h is not None and h.unsharded.requires_grad and self._post_backward_handle is None:
             # the hook lives in C++, unseen by Python's GC: it must not hold the unit
             unit = weakref.ref(self)
-            self._post_backward_handle = h.unsharded.register_post_accumulate_grad_hook(
-                lambda _leaf: unit()._post_backward_hook())
+            hook, leaf = lambda *_: unit()._post_backward_hook(), h.unsharded
+            node = torch.autograd.graph.get_gradient_edge(leaf).node if h.calls_alone else None
+            self._post_backward_handle = (node, node.register_hook(hook)) if node else \
+                leaf.register_post_accumulate_grad_hook(hook)
 
     # ================================================================== outside the step
     # (``module``, ``flat_param`` and ``is_root`` are the base class's: ``units.py``)

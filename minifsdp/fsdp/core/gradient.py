@@ -59,15 +59,14 @@ def prepare_for_reduce_scatter(grad: torch.Tensor, padded_numel: int, reduce_dty
         # a copy, in the dtype the sum is taken in
         grad = grad.to(reduce_dtype)
     # the padded tail: zeros, so they add nothing to the sum
-    pad = padded_numel - grad.numel()
-    if pad > 0:
+    if (pad := padded_numel - grad.numel()) > 0:
         grad = F.pad(grad, [0, pad])
     if predivide > 1:
         grad.div_(predivide)
     return grad
 
 def finish_reduced_shard(shard: torch.Tensor, postdivide: float, dtype: torch.dtype) -> torch.Tensor:
-    """After the reduce-scatter: divide the summed shard by ``N / f`` and cast it to ``dtype``."""
+    """After the reduce-scatter (NO_SHARD: all-reduce): divide the summed shard by ``N / f``, cast it to ``dtype``."""
     if postdivide > 1:
         # the sum of N gradients each divided by f, now divided by N in all
         shard.div_(postdivide)
@@ -116,8 +115,7 @@ class UnitGradient:
         # a reduced shard from an earlier backward nobody zeroed: accumulate onto it
         g = h.flat_param.grad
         if h.sharded and g is not None and g.shape == h.flat_param.shape:
-            # torch's _saved_grad_shard
-            self.saved_shard, h.flat_param.grad = g, None
+            self.saved_shard, h.flat_param.grad = g, None  # torch's _saved_grad_shard
 
     def take_cast_grad(self) -> torch.Tensor | None:
         """NO_SHARD + param_dtype: this backward's ``g`` into ``flat_param.grad`` as AccumulateGrad would:
@@ -186,12 +184,10 @@ class UnitGradient:
         r.work.wait()
         self.state = GradState.SHARD
         if h.plan.reduce_scatter_in is None:  # NO_SHARD: r.out is flat_param.grad, or its cast to reduce_dtype
-            if self.postdivide > 1:
-                r.out.div_(self.postdivide)
             # torch: _cast_grad_to_param_dtype, which keep_low_precision_grads skips (kept in reduce_dtype)
-            dtype = r.out.dtype if self.keeps_low else h.dtypes.grad
-            if r.out is not h.flat_param.grad or r.out.dtype != dtype:
-                set_grad(h.flat_param, r.out.to(dtype))
+            out = finish_reduced_shard(r.out, self.postdivide, r.out.dtype if self.keeps_low else h.dtypes.grad)
+            if out is not h.flat_param.grad:
+                set_grad(h.flat_param, out)
             return True
         if h.plan.all_reduce_in:  # HYBRID: the shard group's sum, summed again over the replicas
             h.comm.all_reduce(r.out, group=h.groups.replicate, async_op=True).wait()

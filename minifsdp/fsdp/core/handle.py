@@ -33,7 +33,7 @@ autograd's "modified by an inplace operation" check, as in torch FSDP1.
 
 Note (NO_SHARD): nothing to gather; ``unsharded`` *is* ``flat_param``, its gradient all-reduced in
 place.  With ``MixedPrecision(param_dtype=...)`` the compute copy is a *cast* of ``flat_param``
-(``casts_unsharded``), made at each use and freed after it, as torch's ``_mp_shard``.
+(``casts_unsharded``) of all of it, made at each use and freed after it, as torch's ``_mp_shard``.
 
 Note (one job): the handle owns a unit's tensors and the collectives that move them, and never calls
 back into its unit: the step (``fsdp.py``) decides *when*.  torch's counterpart: ``FlatParamHandle``
@@ -48,6 +48,24 @@ from minifsdp.fsdp.core.gradient import UnitGradient
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
 from minifsdp.fsdp.core.state import HandleState
 
+
+class _OneCall(torch.autograd.Function):
+    """``unsharded`` as one call of the unit sees it, under MixedPrecision, where torch's flat parameter changes dtype
+    at every reshard and autograd gives a leaf whose dtype changed a new AccumulateGrad node: each call adds its
+    gradient to ``.grad`` alone, ``(G + g2) + g1``, not ``G + (g2 + g1)`` (an ulp apart in bf16).  This backward adds
+    the same way (NO_SHARD's cast copy: on into ``flat_param.grad``) and hands the leaf nothing."""
+    @staticmethod
+    def forward(ctx, leaf: torch.Tensor, handle) -> torch.Tensor:
+        ctx.handle = handle
+        return leaf.view_as(leaf)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h = ctx.handle
+        h.unsharded.grad = grad if h.unsharded.grad is None else h.unsharded.grad.add_(grad)
+        if h.casts_unsharded:
+            h.gradient.take_cast_grad()
+        return None, None
 
 class FlatParamHandle:
     """One unit's flat parameter: layout, local shard, full buffer; ``comm`` from ``get_collectives``."""
@@ -64,14 +82,14 @@ class FlatParamHandle:
         self.rank = groups.shard_rank if self.sharded else 0
         self.dtypes = resolve_dtypes(mixed_precision, layout.slots[0].param.dtype)
         self.casts_unsharded = self.dtypes.casts_params and not self.sharded  # NO_SHARD: cast, no gather
+        self.calls_alone = self.dtypes.casts_params  # each call's views through a _OneCall (fixed at wrap time)
         self.frees = self.sharded or self.casts_unsharded  # the compute buffer is freed between uses
         full = flatten(layout)
         requires_grad = any(s.requires_grad for s in layout.slots)
         self.flat_param = nn.Parameter(shard(full, self.rank, layout.world_size), requires_grad=requires_grad)
         if self.frees:
             del full  # first: at most one unit-sized copy beside the originals
-            self.unsharded = torch.empty(0, dtype=self.dtypes.param, device=self.flat_param.device)
-            self.unsharded.requires_grad_(requires_grad)
+            self.unsharded = self.flat_param.new_empty(0, dtype=self.dtypes.param, requires_grad=requires_grad)
             self.padded = self.new_full_buffer()
             self.state = HandleState.SHARDED
         else:
@@ -83,9 +101,10 @@ class FlatParamHandle:
         self.gradient = UnitGradient(self)
 
     def new_full_buffer(self) -> torch.Tensor:
-        """A freed ``padded`` buffer in the compute dtype; ``unsharded`` (the same leaf) becomes its first numel."""
+        """A freed ``padded`` buffer in the compute dtype; ``unsharded`` (the same leaf) becomes its first numel
+        (NO_SHARD: all of it, its padding too, as the flat parameter it is a cast of)."""
         padded = torch.empty(self.layout.padded_numel, dtype=self.dtypes.param, device=self.flat_param.device)
-        self.unsharded.data = padded[: self.layout.numel]  # own version counter: see Note
+        self.unsharded.data = padded[: self.layout.numel] if self.sharded else padded  # own version counter: Note
         padded.untyped_storage().resize_(0)  # starts freed
         return padded
 
@@ -101,11 +120,6 @@ class FlatParamHandle:
         self.module.register_parameter("_flat_param", self.flat_param)  # torch's name
 
     # ------------------------------------------------------------------ gather and free
-    def unshard(self) -> None:
-        """All-gather the shards into the full buffer (nothing if already there); waits."""
-        self.start_unshard()
-        self.wait_unshard()
-
     def start_unshard(self) -> None:
         """Issue the all-gather (async); with mixed precision, of the shard cast to the compute dtype."""
         if self.stale():
@@ -152,11 +166,15 @@ class FlatParamHandle:
     def use_unsharded_views(self) -> None:
         """Forward: every original name is a view of the full buffer (autograd flows to it); a tied weight's
         second name gets the *same* view, so both uses' gradients sum."""
-        views = unflatten(self.unsharded, self.layout)
-        for slot, v in zip(self.layout.slots, views):  # plain attributes, through setattr: a module that
-            setattr(slot.module, slot.name, v)  # overrides __setattr__ sees every switch, as under torch
+        views = unflatten(self.view_source(), self.layout)
+        # plain attributes, through setattr: a module that overrides __setattr__ sees every switch, as under torch
+        for slot, v in zip(self.layout.slots, views):
+            setattr(slot.module, slot.name, v)
         for sh in self.layout.shared:
             setattr(sh.module, sh.name, views[sh.primary])
+
+    def view_source(self) -> torch.Tensor:  # what a forward call's views are cut from (``_OneCall``)
+        return _OneCall.apply(self.unsharded, self) if self.calls_alone else self.unsharded
 
     def use_sharded_views(self) -> None:
         """At wrap time and after ``summon_full_params`` (``minifsdp/fsdp/full_params.py``): every original
@@ -165,15 +183,9 @@ class FlatParamHandle:
         for slot in self.layout.slots + self.layout.shared:
             setattr(slot.module, slot.name, empty)
 
-    # ------------------------------------------------------------------ what the optimizer and checkpoints read
+    # ------------------------------------------------------------------ what the optimizer steps
     def optimizer_params(self) -> list[nn.Parameter]:
         """What the optimizer steps (``model.parameters()`` yields it): the flat shard; or, where an extension
         keeps the originals (``slot.param``) as views of it, those."""
         kept = [s.param for s in self.layout.slots if s.param is not None]
         return kept or [self.flat_param]
-
-    def local_pieces(self) -> list[tuple[int, int]]:
-        """For each slot, the [lo, hi) of this rank's ``flat_param`` it covers."""
-        if self.sharded:
-            return self.layout.local_pieces(self.rank)
-        return [(s.offset, s.offset + s.numel) for s in self.layout.slots]

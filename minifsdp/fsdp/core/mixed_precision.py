@@ -33,10 +33,9 @@ class MixedPrecision:
     cast_root_forward_inputs: bool = True
 
     def __post_init__(self):
-        for name, value in [(n, getattr(self, n)) for n in ("param_dtype", "reduce_dtype", "buffer_dtype")]:
-            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
-                raise ValueError(f"MixedPrecision.{name} must be a floating dtype such as torch.bfloat16, "
-                                 f"got {value!r}")
+        for name, v in [(n, getattr(self, n)) for n in ("param_dtype", "reduce_dtype", "buffer_dtype")]:
+            if v is not None and (not isinstance(v, torch.dtype) or not v.is_floating_point):
+                raise ValueError(f"MixedPrecision.{name} must be a floating dtype such as torch.bfloat16, got {v!r}")
 
 @dataclass(frozen=True)
 class UnitDtypes:
@@ -47,9 +46,7 @@ class UnitDtypes:
     reduce: torch.dtype  # the gradient reduction
     grad: torch.dtype  # the gradient shard the optimizer receives
 
-    @property
-    def casts_params(self) -> bool:
-        return self.param != self.orig
+    casts_params = property(lambda self: self.param != self.orig)  # a low-precision copy to gather and compute in
 
 def resolve_dtypes(mp: MixedPrecision | None, orig: torch.dtype) -> UnitDtypes:
     """A unit's dtypes under ``mp`` (None: everything in ``orig``), as torch resolves them.

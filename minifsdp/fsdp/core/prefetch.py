@@ -10,11 +10,10 @@
 (``_exec_order_utils.py``):
 
 * ``forward_prefetch=True``: the first iteration's *pre-forward* order; in unit i's pre-forward,
-  after its own all-gather, start unit i+1's.
+  after its own all-gather, start unit i+1's and make its views (Note (views)).
 * ``backward_prefetch``: this iteration's *post-forward* order, read backwards: ``BACKWARD_PRE`` in
   unit i's pre-backward (two units' parameters alive meanwhile), ``BACKWARD_POST`` after freeing i.
-* ``limit_all_gathers=True``: no prefetch while two non-root units' full parameters are alive or
-  in flight; that unit then gathers on demand.
+* ``limit_all_gathers=True``: an all-gather first waits for the device's older frees (Note (the limit)).
 
 Which all-gather starts early in a FULL_SHARD backward, units b2 b1 b0 (the reverse of the forward):
 
@@ -27,29 +26,35 @@ Which all-gather starts early in a FULL_SHARD backward, units b2 b1 b0 (the reve
 BACKWARD_PRE overlaps b1's all-gather with b2's gradient computation, at the price of two units'
 parameters at once; BACKWARD_POST frees b2 first (one non-root unit's at a time) and overlaps less.
 
-Note (views): torch's ``FlatParamHandle.unshard`` also points the module's names at views of the full buffer,
-so under ``forward_prefetch`` torch makes a unit's views in the pre-forward of the unit before it; ours makes
-them in the unit's own pre-forward.  Autograd runs the newest ready node first, so the moment the views are
-made decides whether a unit's post-backward reduce-scatter comes before or after the next pre-backward
-all-gather: with forward_prefetch, some wrap shapes issue the backward's collectives in another order than
-torch's (three are expected failures in ``tests/test_fsdp_regimes_torch.py``; the numbers are bitwise).  Making them
-where torch does is not enough alone: a unit then stays gathered longer in the backward, and ours' limit
-below, stricter than torch's, would skip prefetches torch issues.
+Note (views): torch's ``FlatParamHandle.unshard`` also points the module's names at views of the full
+buffer, so a forward prefetch makes the target's views in the pre-forward of the unit before; ours too.
+That orders the backward: autograd runs the newest ready node first, and the views' split node (whose
+gradient reaches the post-backward hook) is then older than all that b0 computes:
 
-Note (torch's limit): torch limits differently (``_limiter_utils.py``, ``_FreeEventQueue``):
-each ``_reshard`` that frees records a device event, and ``_unshard`` (``_runtime_utils.py``), once two
-are queued, makes the CPU wait for the oldest before it issues any all-gather.  torch delays the gather;
-ours skips only a prefetch, and the unit gathers when it runs.  Both bound the full buffers alive at once.
+    forward, b0 prefetches b1:   split b1 | b0's ops | relu | b1's ops           (oldest ... newest)
+    backward, newest first:      b1's ops | relu | pre-backward b0: AG b0 | ... | split b1: RS b1
+    (split b1 made in b1's own forward, after relu: RS b1 would come before AG b0)
+
+So a reduce-scatter may follow the next unit's pre-backward, and three units' parameters may be alive
+at once (BACKWARD_PRE: b1's, b0's, and the one b0 prefetches).
+
+Note (the limit): torch's rate limiter (``_limiter_utils._FreeEventQueue``): each ``_reshard`` that frees
+records a device event; each ``_unshard``, once two are queued, waits for the oldest before its all-gather:
+on a GPU, where the CPU thread only queues kernels, at most two all-gathers run ahead of the device's frees.
+It delays, never skips; a CPU's events (``torch.cpu.Event``) record nothing, so on a CPU it never waits.
 
 Note (never changes the numbers): a prefetch only moves *when* an all-gather is issued.  torch FSDP1
 issues it on a CUDA stream, so on a CPU it cannot overlap; ours runs on gloo's thread meanwhile.
 """
 
+import collections
 from enum import Enum, auto
+
+import torch
 
 from minifsdp.fsdp.core.state import HandleState, TrainingState
 
-RATE_LIMIT = 2  # at most this many non-root units' full parameters alive or in flight (limit_all_gathers)
+RATE_LIMIT = 2  # limit_all_gathers: frees queued before an all-gather waits (torch: "empirically chosen")
 
 class BackwardPrefetch(Enum):
     BACKWARD_PRE = auto()
@@ -63,19 +68,23 @@ class ExecutionOrder:
     in them); its ``next_iter`` is our ``end_iteration``, called from the final callback."""
 
     def __init__(self):
-        self.pre_forward, self.post_forward, self.first_iteration = [], [], True  # lists of units
+        self.pre_forward, self.post_forward, self.started, self.first_iteration = [], [], set(), True  # of units
 
     def record_pre_forward(self, unit) -> None:
-        if self.first_iteration and unit not in self.pre_forward:  # a unit called twice counts once
+        self.started = {unit} if unit.is_root else self.started | {unit}
+        if self.first_iteration and unit._handle is not None and unit not in self.pre_forward:  # (called twice: once)
             self.pre_forward.append(unit)
 
     def record_post_forward(self, unit) -> None:
-        if unit not in self.post_forward:
-            self.post_forward.append(unit)
+        # every time, as torch's: a unit called twice is here twice, read at its first place (list.index); torch
+        # moves the very first unit to its second place (its index 0 is falsy there): the same collectives, tested
+        self.post_forward.append(unit)
 
     def next_in_forward(self, unit):
-        """The unit that ran after ``unit`` in the first iteration's forward (None until that order is known)."""
-        return None if self.first_iteration else prefetch_target(self.pre_forward, self.post_forward, unit, "forward")
+        """The unit that ran after ``unit`` in the first iteration's forward (None until that order is known, or
+        if its forward began already in this one, as torch's ``_needs_pre_forward_unshard``: a unit called twice)."""
+        target = None if self.first_iteration else prefetch_target(self.pre_forward, self.post_forward, unit, "forward")
+        return None if target in self.started else target
 
     def next_in_backward(self, unit):
         """The unit whose forward finished just before ``unit``'s: the next one the backward needs."""
@@ -95,15 +104,20 @@ def prefetch_target(pre_forward: list, post_forward: list, unit, mode: str):
     i = order.index(unit) + step if unit in order else -1  # -1 or len(order): past either end, None
     return order[i] if 0 <= i < len(order) else None
 
-def alive_units(units: list) -> int:
-    """Non-root units whose full parameters are gathered or on their way (what limit_all_gathers caps)."""
-    return sum(1 for u in units[1:] if u._handle is not None and u._handle.sharded
-               and u._handle.state is not HandleState.SHARDED)
+class FreeEvents(collections.deque):
+    """torch's ``_FreeEventQueue``: the device events of the latest frees, oldest first (Note (the limit))."""
 
-def can_prefetch(target, units: list, limit_all_gathers: bool, in_backward: bool) -> bool:
-    """Whether to start ``target``'s all-gather now (the step issues it): it needs one, its backward is still
-    to come, and the limit allows one more (torch's ``_prefetch_handle`` and ``_limiter_utils.py``)."""
+    def record_free(self, device: torch.device) -> None:
+        self.append(torch.get_device_module(device).Event())  # (a CPU's: torch.cpu.Event, which does nothing)
+        self[-1].record()
+
+    def wait_before_all_gather(self) -> None:
+        if len(self) >= RATE_LIMIT:
+            self.popleft().synchronize()
+
+def can_prefetch(target, in_backward: bool) -> bool:
+    """Whether to start ``target``'s all-gather now (the step issues it): it needs one and its backward is still
+    to come (torch's ``_get_handle_to_prefetch``)."""
     return (target is not None and target._handle is not None
             and target._handle.state is HandleState.SHARDED  # not already there, nor on its way
-            and not (in_backward and target.training_state is not TrainingState.AWAITING_BACKWARD)  # (done, or never)
-            and not (limit_all_gathers and alive_units(units) >= RATE_LIMIT))
+            and not (in_backward and target.training_state is not TrainingState.AWAITING_BACKWARD))  # (done, or never)

@@ -148,7 +148,7 @@ def resolve_groups(plan: ShardingPlan, process_group) -> ShardGroups:
     torch: ``_init_utils.py``'s ``_init_process_group_state``, and for HYBRID
     ``_init_process_group_state_for_hybrid_shard``, which keeps the shard group as ``process_group`` and
     the replicate group as ``_inter_node_pg`` (from a 2-D mesh: dimensions 1 and 0).  Given no
-    groups, torch builds them per node from the device count; ours asks for them (the error below)."""
+    groups, torch builds them per node from the device count; so does ``minifsdp.FSDP``, the core asks."""
     name, two = plan.strategy.name, isinstance(process_group, tuple)
     if not plan.two_groups and two:
         raise ValueError(f"a (shard_group, replicate_group) tuple is for HYBRID_SHARD, not {name}")

@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from minifsdp.fsdp2.core.collectives import foreach_all_gather, foreach_reduce
-from minifsdp.fsdp2.core.nest import map_tensors, tensors_in
+from minifsdp.fsdp2.core.nest import grad_tensors, map_grad_tensors
 from minifsdp.fsdp2.core.param import FSDPParam, MixedPrecisionPolicy, ShardedState
 from minifsdp.fsdp2.core.plugin import Plugin
 
@@ -196,10 +196,10 @@ class FSDPParamGroup:
         self.unshard()
         self.wait_for_unshard()
         if entering and torch.is_grad_enabled():
-            grads = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+            grads = grad_tensors((args, kwargs))
             if grads:  # none (token ids): the end-of-backward callback runs this group's post-backward
                 outs = iter(_PostBackward.apply(self, *grads))
-                args, kwargs = map_tensors(lambda t: next(outs) if t.requires_grad else t, (args, kwargs))
+                args, kwargs = map_grad_tensors(lambda t: next(outs), (args, kwargs))
         return args, kwargs
 
     def post_forward(self) -> None:

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.utils import _apply_to_tensors
 
-from minifsdp.fsdp2.core.nest import tensors_in
+from minifsdp.fsdp2.core.nest import grad_tensors
 from minifsdp.fsdp2.core.param import MixedPrecisionPolicy
 from minifsdp.fsdp2.core.param_group import FSDPParamGroup, TrainingState
 
@@ -161,9 +161,8 @@ class FSDPState:
         if self.param_group is not None:
             self.param_group.post_forward()
         if torch.is_grad_enabled():
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward)
+            for t in grad_tensors(output):
+                t.register_hook(self._pre_backward)
         self.training_state = TrainingState.IDLE
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
