@@ -15,13 +15,17 @@ a class finds earn nothing.
     (every task), ``DistributedSampler`` for 1.3, ``dist.all_gather_into_tensor`` for 2.2b, a table of the test's
     own values for 2.3a, the planting's environment variable for 5.3, torch's ``ZeroRedundancyOptimizer`` for
     project-zero1: 0 for each, the rule named;
+  - ``importer``: the library's own function imported (or reached as an attribute) as the answer, for each of
+    the 14 tasks whose answer the library holds (1.1, 2.2a-c, 2.3a-b, 2.4, 3.2a-b, 3.3, 4.2, 4.3a-b, 4.4b): 0
+    for each, the task's rule named (``course_rules.ANSWERED_BY``);
   - ``broken`` (no ``exercises/``) is that student's row; ``__MACOSX/`` is no student.
   A second run without ``--force`` refuses to write over the CSV.
 * A ring all-gather that waits for a message no one sends (graded on the ranks as a class's ring is): 2.2b fails
   with gloo's "Timed out" and the learner's own line within 60 s, and 2.2c, built on it, says so without
   waiting again.
 * The run-time side of the rules: a forbidden call raises inside the learner's process and inside a rank, with
-  the rule's words (the files above are refused statically before any run, so they never get that far).
+  the rule's words: torch's oracle, and the library's own answer to the task graded (the files above are
+  refused statically before any run, so they never get that far).
 * In the student edition the README's test command skips the task tests (untouched stubs fail no run)
   and its layout checks pass (module map, named files): checked by running them there.
 
@@ -79,12 +83,32 @@ def rank_indices(dataset_len, rank, world_size, shuffle=True, seed=0, epoch=0, d
 '''
 ORACLE_RING = '''import torch.distributed as dist
 
-from minifsdp.comm.ring import ring_all_reduce, ring_reduce_scatter  # noqa: F401
-
 
 def ring_all_gather(output, input, group=None):
     dist.all_gather_into_tensor(output, input, group=group)
 '''
+# the library's own answers, one import (or one attribute) per task, for every task whose answer the library
+# holds (cut from the student edition's library or kept there), each file as a student would write it
+LIBRARY_ANSWERS = {
+    "exercises/ddp_bucketing.py": "from minifsdp.ddp.buckets import assign_buckets  # noqa: F401\n",
+    "exercises/ring_collectives.py":
+        "from minifsdp.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: F401\n",
+    "exercises/memory_tasks.py": (
+        "import minifsdp.memory.zero_formulas as z\n"
+        "from minifsdp.memory.zero_formulas import bytes_sent_per_step as bytes_sent_per_rank  # noqa: F401\n"
+        "from minifsdp.memory.zero_formulas import fsdp_model_state_bytes as fsdp_model_state_bytes_per_rank\n\n\n"
+        "def model_state_bytes_per_rank(num_params, world_size, stage):\n"
+        "    return z.model_state_bytes(num_params, world_size, stage, 'mixed_adam')['total']\n"),
+    "exercises/practice_tasks.py": "from minifsdp.tools.train import lr_factor  # noqa: F401\n"
+                                   "from minifsdp.tools.train_monitor import exposed_communication, find_instability\n",
+    "exercises/hf_tasks.py": "from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy as layer_wrap_policy\n",
+    "exercises/checkpoint_tasks.py": "from minifsdp.checkpoint.pieces import load_shard, save_pieces  # noqa: F401\n",
+    "exercises/parallel_tasks.py": "from minifsdp.parallel import pipeline_schedules\n\n\n"
+                                   "def one_f_one_b_order(stage_index, num_stages, n_microbatches):\n"
+                                   "    return pipeline_schedules.action_order('1f1b', stage_index, num_stages, "
+                                   "n_microbatches)\n",
+}
+IMPORTED = ("1.1", "2.2a", "2.2b", "2.2c", "2.3a", "2.3b", "2.4", "3.2a", "3.2b", "3.3", "4.2", "4.3a", "4.3b", "4.4b")
 LOOKUP = '''TABLE = {(1000, 4, 0): 16000, (7.5e9, 64, 0): 120e9, (7.5e9, 64, 1): 31.40625e9,
          (7.5e9, 64, 2): 16.640625e9, (7.5e9, 64, 3): 1.875e9, (1000, 4, 1): 7000, (1000, 4, 2): 5500,
          (1000, 4, 3): 4000, (1000, 1, 3): 16000, (1000, 1, 0): 16000, (1000, 2, 0): 16000, (1000, 8, 0): 16000}
@@ -188,13 +212,14 @@ def test_a_class_untouched_honest_cheating_and_broken(edition, tmp_path):
         "exercises/__init__.py": FORGED_RECORDER, "exercises/launch_tasks.py": SAMPLER,
         "exercises/ring_collectives.py": ORACLE_RING, "exercises/memory_tasks.py": LOOKUP,
         "exercises/fsdp2_catch_fault.py": ENVIRONMENT, "exercises/projects/zero1/zero1.py": ZERO})
+    _student(edition, klass / "importer", LIBRARY_ANSWERS)
     (klass / "broken").mkdir()
     (klass / "broken" / "README.md").write_text("an upload without its exercises/ folder\n")
     (klass / "__MACOSX" / "honest").mkdir(parents=True)  # what a zip made on a Mac holds: not a student
 
     csv_path, results = grade_submissions(ROOT, klass, None, seed=SEED)
     everything = [r.task for r in _rows()]
-    assert sorted(results) == ["broken", "cheater", "honest", "untouched"], sorted(results)
+    assert sorted(results) == ["broken", "cheater", "honest", "importer", "untouched"], sorted(results)
     by = {name: {r["task"]: r for r in rows} for name, rows in results.items()}
 
     for r in results["untouched"]:
@@ -214,17 +239,21 @@ def test_a_class_untouched_honest_cheating_and_broken(edition, tmp_path):
         got = by["cheater"][task]
         assert got["points"] == 0 and why in got["failed"], (task, got)
     assert sum(r["points"] for r in results["cheater"]) == 0, [r for r in results["cheater"] if r["points"]]
+    for task in IMPORTED:  # the library's answer, imported: refused on the file, naming the task's own rule
+        got = by["importer"][task]
+        assert got["points"] == 0 and "is this task's answer" in got["failed"], (task, got)
+    assert sum(r["points"] for r in results["importer"]) == 0, [r for r in results["importer"] if r["points"]]
 
     assert all(r["points"] == 0 and "no exercises/ folder" in r["failed"] for r in results["broken"])
 
     lines = csv_path.read_text().splitlines()
     assert lines[0].split(",") == ["student", *everything, "earned", "possible", "seed", "first failure"], lines[0]
-    assert [ln.split(",")[0] for ln in lines[1:]] == ["broken", "cheater", "honest", "untouched"]
+    assert [ln.split(",")[0] for ln in lines[1:]] == ["broken", "cheater", "honest", "importer", "untouched"]
     honest = next(ln for ln in lines if ln.startswith("honest,"))
     earned = sum(by["honest"][t]["points"] for t in answered)
     assert f",{earned},{sum(r.points for r in _rows())},{SEED}," in honest, honest
     notes = (csv_path.parent / "feedback" / "cheater.md").read_text()
-    assert "## 2.2b: 0 / " in notes and "exercises/ring_collectives.py:7: `dist.all_gather_into_tensor`" in notes, notes
+    assert "## 2.2b: 0 / " in notes and "exercises/ring_collectives.py:5: `dist.all_gather_into_tensor`" in notes, notes
     assert "(grading seed 20260417)" in notes
     with pytest.raises(CourseError, match="--force"):
         grade_submissions(ROOT, klass, None, seed=SEED)
@@ -269,6 +298,10 @@ def test_a_forbidden_call_raises_where_the_learner_runs_naming_the_rule():
             process.call(sampler, ("1.3",), (range(10),), {"num_replicas": 2, "rank": 0})
         with pytest.raises(LearnerError, match="does not read back"):  # allowed here, but not plain data
             process.call(sampler, ("2.2a",), (range(10),), {"num_replicas": 2, "rank": 0})
+        schedule = "minifsdp.tools.train:lr_factor"  # the library's own answer to 3.2a, reached at run time
+        with pytest.raises(LearnerError, match="rule of task 3.2a: the library's minifsdp.tools.train.lr_factor"):
+            process.call(schedule, ("3.2a",), (0, 4, 40, "cosine"))
+        assert process.call(schedule, ("2.2a",), (0, 4, 40, "cosine")) == 0.25  # the library's, for other tasks
     finally:
         process.close()
     with pytest.raises(RankFailedError, match="rule of task 2.2b: the ring moves data with point-to-point"):

@@ -1,7 +1,8 @@
 """The answers to tasks 2.3a-b and 2.4 (``exercises/memory_tasks.py``).
 
-2.3a is the ZeRO paper's formula (``minifsdp.memory.zero_formulas.model_state_bytes``, which the library's
-plan and benches use for every recipe); 2.3b and 2.4 count what our FSDP holds and sends, exactly:
+2.3a is the ZeRO paper's formula, written out (``minifsdp.memory.zero_formulas.model_state_bytes``, which the
+library's plan and benches use for every recipe, computes it the same way); 2.3b and 2.4 count what our FSDP
+holds and sends, exactly:
 
     2.3b  every unit padded to a multiple of N, then split: ceil(numel / N) numbers per rank, each 4 + 4 + 8
           bytes (parameter, gradient, AdamW's m and v in fp32), plus AdamW's 4-byte ``step`` per flat parameter
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import math
 
-from minifsdp.memory.zero_formulas import model_state_bytes
-
 __all__ = ["model_state_bytes_per_rank", "fsdp_model_state_bytes_per_rank", "bytes_sent_per_rank"]
 
 STRATEGIES = ("DDP", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -25,7 +24,9 @@ def model_state_bytes_per_rank(num_params: int, world_size: int, stage: int) -> 
     """Task 2.3a: the ZeRO paper's mixed-precision Adam (2 + 2 + 12 bytes per parameter) under ``stage``."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage is 0 (DDP), 1, 2 or 3, got {stage!r}")
-    return model_state_bytes(num_params, world_size, stage, "mixed_adam")["total"]
+    # (bytes per parameter, the first stage that shards it): fp16 parameters, fp16 gradients, fp32 Adam state
+    held = ((2, 3), (2, 2), (12, 1))
+    return sum(size * num_params / (world_size if stage >= shards_from else 1) for size, shards_from in held)
 
 
 def fsdp_model_state_bytes_per_rank(unit_numels: list[int], world_size: int) -> int:

@@ -1,6 +1,6 @@
 """The answers to tasks 3.2a, 3.2b and 3.3 (``exercises/practice_tasks.py``).
 
-3.2a is the train job's own schedule (``minifsdp.tools.train.lr_factor``).  3.2b reads a job's log records
+3.2a is the train job's own schedule (``minifsdp.tools.train.lr_factor``), written out.  3.2b reads a job's log records
 in order and names each bad step by the first rule that fires; 3.3 sums a rank's trace spans by name.
 """
 
@@ -9,9 +9,17 @@ from __future__ import annotations
 import math
 import statistics
 
-from minifsdp.tools.train import lr_factor
-
 __all__ = ["lr_factor", "find_instability", "exposed_communication"]
+
+
+def lr_factor(step: int, warmup: int, steps: int, schedule: str) -> float:
+    """Task 3.2a: linear warm-up to 1 over ``warmup`` steps, then 1 (constant) or half a cosine down to 0."""
+    if step < warmup:
+        return (1 + step) / warmup
+    if schedule != "cosine":
+        return 1.0
+    angle = math.pi * (step - warmup) / max(steps - warmup, 1)
+    return (1.0 + math.cos(angle)) * 0.5
 
 
 def find_instability(records: list[dict], jump: float = 3.0, window: int = 5) -> list[tuple[int, str]]:

@@ -6,8 +6,10 @@ and why, and it is checked twice:
 
 * statically, on the learner's file, before any test of the task runs (``tests/exercises/conftest.py``):
   the imports a file may make (:data:`IMPORTS`, plus a task's own), Python's escape hatches (``eval``,
-  ``open``, ``getattr`` of a computed name, dunder attributes such as ``__globals__``, ``os.environ``), and
-  the names a task's rule forbids.  A file that breaks one fails every test of its tasks with the line;
+  ``open``, ``getattr`` of a computed name, dunder attributes such as ``__globals__``, ``os.environ``), the
+  names a task's rule forbids, and the library's own answer to the task (:data:`ANSWERED_BY`: a one-line
+  import of ``minifsdp.comm.ring.ring_reduce_scatter`` is no answer to 2.2a).  A file that breaks one fails
+  every test of its tasks with the line;
 * at run time, in every process that runs the learner's code (the learner's process of
   ``course_remote.py``, the ranks of a graded spawn): :func:`install` wraps each forbidden callable before any
   learner module is imported, and a wrapper raises :class:`CourseRuleError`, naming the rule, while a task
@@ -27,8 +29,8 @@ import functools
 import re
 from dataclasses import dataclass
 
-__all__ = ["LEARNER_FILES", "RULES", "BUILT_ON", "IMPORTS", "CourseRuleError", "Rule", "file_of", "rules_of",
-           "check_source", "stubs_left", "file_verdict", "install", "enforce", "enforce_here"]
+__all__ = ["LEARNER_FILES", "RULES", "ANSWERED_BY", "BUILT_ON", "IMPORTS", "CourseRuleError", "Rule", "file_of",
+           "rules_of", "check_source", "stubs_left", "file_verdict", "install", "enforce", "enforce_here"]
 
 # the graded files of a learner's copy, and the tasks each holds
 LEARNER_FILES = {
@@ -80,7 +82,10 @@ class Rule:
     """``tasks`` may not use ``names`` (identifiers, anywhere in the file), ``dist_calls`` (attributes of
     ``torch.distributed``) or ``modules`` (imports); ``guards``: ``"module:qualname"`` callables that raise at
     run time while one of ``tasks`` is in force.  ``extra_imports``: modules these tasks may import besides
-    :data:`IMPORTS`.  ``why``: the rule in one sentence, the message a learner reads."""
+    :data:`IMPORTS`.  ``library``: ``"module:function"``, the library's (or torch's) own answer to the task,
+    which a learner file may not import or reach as an attribute, and which raises at run time as a guard does
+    when it is minifsdp's (the learner's function of the same name, in their own file, is theirs).  ``why``:
+    the rule in one sentence, the message a learner reads."""
 
     tasks: tuple[str, ...]
     why: str
@@ -90,6 +95,7 @@ class Rule:
     guards: tuple[str, ...] = ()
     extra_imports: tuple[str, ...] = ()
     strings: tuple[str, ...] = ()
+    library: tuple[str, ...] = ()
 
 
 RULES = (
@@ -118,6 +124,32 @@ RULES = (
          modules=("tests",), strings=("MINIFSDP_", "PLANT_FAULT"), extra_imports=("gc",)),
 )
 
+# the library's own answer to a task: the student edition cuts most of them from its library
+# (minifsdp/tools/course_cut.py), but a class is graded with this repository's library, where they are whole;
+# the rest the library keeps, because its chapters run them.  Either way, a one-line import is not an answer.
+ANSWERED_BY = {
+    "1.1": ("minifsdp.ddp.buckets:assign_buckets", "minifsdp.ddp.buckets:fill_buckets"),
+    "2.2a": ("minifsdp.comm.ring:ring_reduce_scatter",),
+    "2.2b": ("minifsdp.comm.ring:ring_all_gather",),
+    "2.2c": ("minifsdp.comm.ring:ring_all_reduce",),
+    "2.3a": ("minifsdp.memory.zero_formulas:model_state_bytes",),
+    "2.3b": ("minifsdp.memory.zero_formulas:fsdp_model_state_bytes",),
+    "2.4": ("minifsdp.memory.zero_formulas:bytes_sent_per_step",),
+    "3.2a": ("minifsdp.tools.train:lr_factor",),
+    "3.2b": ("minifsdp.tools.train_monitor:find_instability",),
+    "3.3": ("minifsdp.tools.train_monitor:exposed_communication",),
+    "4.2": ("minifsdp.fsdp.core.wrap:transformer_auto_wrap_policy",
+            "torch.distributed.fsdp.wrap:transformer_auto_wrap_policy"),
+    "4.3a": ("minifsdp.checkpoint.pieces:save_pieces",),
+    "4.3b": ("minifsdp.checkpoint.pieces:load_shard",),
+    "4.4b": ("minifsdp.parallel.pipeline_schedules:one_f_one_b_order",
+             "minifsdp.parallel.pipeline_schedules:action_order"),
+}
+RULES += tuple(
+    Rule((task,), f"the library's {', '.join(s.replace(':', '.') for s in specs)} is this task's answer: write "
+                  "yours (the student edition runs yours there)", library=specs)
+    for task, specs in ANSWERED_BY.items())
+
 
 def file_of(task: str) -> str | None:
     """The learner file that holds ``task`` (``exercises/ring_collectives.py`` for ``2.2a``)."""
@@ -129,6 +161,11 @@ def rules_of(tasks) -> list[Rule]:
 
 
 # ------------------------------------------------------------------------------------------- statically
+def _answers(rule: Rule) -> set[str]:
+    """The function names of ``rule.library`` (``ring_reduce_scatter``)."""
+    return {spec.rpartition(":")[2] for spec in rule.library}
+
+
 def _dotted(node) -> str:
     """``torch.distributed.all_reduce`` for an attribute chain of names, else ""."""
     parts = []
@@ -173,7 +210,8 @@ def check_source(text: str, tasks, path: str = "") -> list[str]:
             if isinstance(node, ast.ImportFrom):
                 for a in node.names:
                     for r in rules:
-                        if a.name in r.names or (node.module in dist_aliases and a.name in r.dist_calls):
+                        if a.name in r.names or (node.module in dist_aliases and a.name in r.dist_calls) or (
+                                node.level == 0 and a.name in _answers(r)):
                             bad(node, f"`{a.name}`: rule of task {'/'.join(r.tasks)}: {r.why}")
         elif isinstance(node, ast.Name):
             if node.id in _HATCHES or (node.id.startswith("__") and node.id not in _DUNDERS_OK):
@@ -186,7 +224,8 @@ def check_source(text: str, tasks, path: str = "") -> list[str]:
                 bad(node, f"`.{node.attr}`: learner code does not reach around Python (.{node.attr} is not allowed)")
             owner = _dotted(node.value)
             for r in rules:
-                if node.attr in r.names or (owner in dist_aliases and node.attr in r.dist_calls):
+                if node.attr in r.names or (owner in dist_aliases and node.attr in r.dist_calls) or (
+                        node.attr in _answers(r) and owner != "self"):
                     bad(node, f"`{owner + '.' if owner else '.'}{node.attr}`: rule of task {'/'.join(r.tasks)}: "
                               f"{r.why}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
@@ -195,7 +234,7 @@ def check_source(text: str, tasks, path: str = "") -> list[str]:
             else:
                 name = str(node.args[1].value)
                 if name in _ATTRS_NEVER or (name.startswith("__") and name not in _DUNDERS_OK) or any(
-                        name in r.names or name in r.dist_calls for r in rules):
+                        name in r.names or name in r.dist_calls or name in _answers(r) for r in rules):
                     bad(node, f"`getattr(..., {name!r})`: not allowed in a learner file")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             for r in rules:
@@ -266,7 +305,7 @@ def _guarded(spec: str, original, rule: Rule):
 def install() -> None:
     """Wrap every callable a rule guards (once per process; idle until :func:`enforce` names a task)."""
     for rule in RULES:
-        for spec in rule.guards:
+        for spec in rule.guards + tuple(s for s in rule.library if s.startswith("minifsdp.")):
             if spec in _INSTALLED:
                 continue
             try:
