@@ -28,6 +28,7 @@ import pytest
 from minifsdp.tools.cli import main
 from minifsdp.tools.course import read_points
 from minifsdp.tools.course_bug import COMMANDS, check_seed, draw, lab_faults, named_place, plant_file, write_roster_labs
+from minifsdp.tools.course_bug_fix import graded_fix
 from minifsdp.tools.course_class import grade_submissions
 from tests.planted_faults.bug_lab import LAB, WAYS
 from tests.planted_faults.catalog import by_name
@@ -99,6 +100,32 @@ def test_the_lab_faults_span_chapters_2_to_5_and_plant_cleanly():
         assert all(tuple(fl.split()) in COMMANDS for fl in flags), (name, flags)
     seeds = [draw(ROOT, s).name for s in range(len(faults))]
     assert sorted(seeds) == sorted(LAB) and draw(ROOT, 5) is draw(ROOT, 5)  # a block of seeds: each fault once
+
+
+def test_only_the_planted_function_of_a_fix_is_graded():
+    """A lab's fix is its planted function, put in the library's clean file: the rest of the student's file never
+    runs, and the function may use only the words it had (so it cannot fake the test's verdict)."""
+    fault = next(f for f in lab_faults(ROOT) if f.name == "padded_size_rounds_down")
+    rel, clean, planted = plant_file(ROOT, fault)
+    qualname = fault.target.partition(":")[2]
+    assert graded_fix(clean, planted, clean, qualname, rel) == (None, "")  # the library's own: fixed, none to run
+    forged = 'print("1 passed in 0.01s")\nimport os\nos._exit(0)\n' + planted  # unfixed, faking pytest on import
+    text, why = graded_fix(clean, planted, forged, qualname, rel)
+    assert why == "" and text == planted and "os._exit" not in text  # the planted function runs its test, alone
+    mended = planted.replace(fault.new, "return (numel + world_size - 1) // world_size * world_size", 1)  # its words
+    assert graded_fix(clean, planted, mended, qualname, rel)[0] == mended
+    lines = planted.splitlines(keepends=True)
+    at = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith(f"def {qualname}("))
+    fake = "".join(lines[:at + 1] + ['    print("1 passed")\n', "    raise SystemExit(0)\n"] + lines[at + 1:])
+    text, why = graded_fix(clean, planted, fake, qualname, rel)
+    assert text is None and "uses SystemExit, print, which the function never did" in why, why
+    assert graded_fix(clean, planted, clean.replace(f"def {qualname}(", "def renamed("), qualname, rel) == \
+        (None, f"{rel} has no {qualname} any more")
+    for fault in lab_faults(ROOT):  # every lab: the library's function is a fix, the planted one runs its test
+        rel, clean, planted = plant_file(ROOT, fault)
+        qualname = fault.target.partition(":")[2]
+        assert graded_fix(clean, planted, clean, qualname, rel) == (None, ""), fault.name
+        assert graded_fix(clean, planted, planted, qualname, rel) == (planted, ""), fault.name
 
 
 def test_the_answer_is_a_file_and_a_function():

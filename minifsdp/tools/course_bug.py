@@ -21,8 +21,8 @@ The key holds, per lab: the student, the seed, the fault, its chapter, the plant
 line as it was and as planted, how it shows and the test that catches it.  Grading reads only the key for
 what was planted, and awards half the points for each of:
 
-    fixed   the student's version of the planted file, in a clean copy of this repository's library and
-            tests, passes the fault's test (the catalog's, which fails with the fault: tests/test_planted_faults.py)
+    fixed   the student's planted function (only it: ``course_bug_fix.py``), in a clean copy of this repository's
+            library and tests, passes the fault's test (the catalog's: tests/test_planted_faults.py)
     named   ANSWER.txt (or --answer) names the planted file and function
 
 A malformed ANSWER.txt, a missing file, a lab the key does not know: that student's row says so, the others
@@ -55,6 +55,7 @@ import tempfile
 from pathlib import Path
 
 from minifsdp.tools.course import CourseError, read_points
+from minifsdp.tools.course_bug_fix import graded_fix
 from minifsdp.tools.course_copy import _instructor_only, check_new_folder
 
 __all__ = ["COMMANDS", "SEEDS", "check_seed", "lab_faults", "draw", "plant_file", "read_roster", "write_bug_lab",
@@ -164,10 +165,6 @@ def _copy_library(root: Path, dest: Path) -> None:
     shutil.copy2(root / "pyproject.toml", dest / "pyproject.toml")
 
 
-def _command(flags) -> str:
-    return "python -m minifsdp compare" + "".join(f" {f}" for f in flags)
-
-
 def _lab_text(root: Path, student: str) -> str:
     """BUG_LAB.md: the same tools and test files for every lab (those of every fault a lab can get)."""
     catalog, _, lab = _instructor_modules(root)
@@ -176,7 +173,7 @@ def _lab_text(root: Path, student: str) -> str:
         chapters.setdefault(chapter.split(".")[0], set()).add(catalog.by_name(name).test.split("::")[0])
     tests = "\n".join(f"    # chapter {ch}\n    python -m pytest -x -q " + " \\\n        ".join(sorted(files))
                       for ch, files in sorted(chapters.items()))
-    runs = "\n".join(f"    {_command(f)}" for f in COMMANDS)
+    runs = "\n".join("    python -m minifsdp compare" + "".join(f" {f}" for f in flags) for flags in COMMANDS)
     return f"""# Find the bug ({student})
 
 `minifsdp/` here is minifsdp with one realistic bug planted in one function: one line changed.  Every lab of
@@ -203,8 +200,8 @@ command from this folder, so that `python` imports this copy (`PYTHONPATH=.` if 
        minifsdp/comm/ring.py:ring_all_gather
 
 Hand in this whole folder as `bug/` at the top of your repository.  Graded by your instructor: half the points
-for the fixed file passing the test that catches the bug (in a clean copy of the library: only the planted
-file counts), half for naming the place.
+for the fixed function passing the test that catches the bug (in a clean copy of the library: only the planted
+function counts, and a fix uses that function's own words), half for naming the place.
 """
 
 
@@ -329,24 +326,30 @@ def _answer(folder: Path, answer: str | None) -> str | None:
                  not ln.startswith("#")), None)
 
 
-def _passes(root: Path, rel: str, fixed: Path, test: str) -> tuple[bool, str]:
-    """The student's ``rel`` in a clean copy of the library and tests: (its fault's test passes, pytest's last line)."""
+def _passes(root: Path, entry: dict, fixed: Path) -> tuple[bool, str]:
+    """The student's planted function (``course_bug_fix``) in a clean copy of the library and tests: (its
+    fault's test passes, what went wrong)."""
+    rel, test = entry["file"], entry["test"]
+    planted = plant_file(root, _instructor_modules(root)[0].by_name(entry["fault"]))[2]
+    text, why = graded_fix((root / rel).read_text(), planted, fixed.read_text(errors="replace"), entry["function"], rel)
+    if text is None:
+        return not why, why
     with tempfile.TemporaryDirectory(prefix="minifsdp-bug-") as tmp:
         where = Path(tmp)
         _copy_library(root, where)
-        shutil.copy2(fixed, where / rel)
-        env = dict(os.environ, PYTHONPATH=str(where), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-        for name in ("MINIFSDP_PLANT_FAULT", "MINIFSDP_PLANT_OUTCOMES", "MINIFSDP_PLANT_REPORT"):
-            env.pop(name, None)
+        (where / rel).write_text(text)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MINIFSDP_PLANT_")}
+        env.update(PYTHONPATH=str(where), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]
         if importlib.util.find_spec("pytest_timeout") is not None:
             cmd[3:3] = ["-p", "pytest_timeout", "--timeout", "600"]
         try:
             proc = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True, timeout=900)
         except subprocess.TimeoutExpired:
-            return False, "its test ran past 900 s (a hang?)"
+            return False, "the test that catches the bug ran past 900 s (a hang?)"
     last = ([ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()] or ["no output"])[-1]
-    return proc.returncode == 0 and " passed" in last and "failed" not in last, last[:200]
+    ok = proc.returncode == 0 and " passed" in last and "failed" not in last
+    return ok, "" if ok else f"the test that catches the bug still fails ({last[:200]})"
 
 
 def grade_bug(root: Path, folder: Path, seed: int | None = None, answer: str | None = None,
@@ -368,7 +371,8 @@ def grade_bug(root: Path, folder: Path, seed: int | None = None, answer: str | N
             return row
     elif seed is not None:
         fault = draw(root, seed)
-        entry = dict(file=plant_file(root, fault)[0], function=fault.target.partition(":")[2], test=fault.test)
+        entry = dict(file=plant_file(root, fault)[0], function=fault.target.partition(":")[2], test=fault.test,
+                     fault=fault.name)
     else:
         raise CourseError("grading reads what was planted from the instructor's key: give --key KEY "
                           "(or --seed S, the lab's seed)")
@@ -376,10 +380,10 @@ def grade_bug(root: Path, folder: Path, seed: int | None = None, answer: str | N
     if not (folder / rel).is_file():
         problems.append(f"not fixed: {folder} has no {rel}")
     else:
-        ok, said = _passes(root, rel, folder / rel, entry["test"])
+        ok, said = _passes(root, entry, folder / rel)
         points += possible - possible // 2 if ok else 0
         if not ok:
-            problems.append(f"not fixed: the test that catches the bug still fails ({said})")
+            problems.append(f"not fixed: {said}")
     given = _answer(folder, answer)
     try:
         if given is None:
