@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from minifsdp.tools.course import CourseError, read_points
+from minifsdp.tools.course_copy import INSTRUCTOR_ONLY
 from minifsdp.tools.course_cut import cut_source, find_cuts, graded_bodies, surviving_answers
 from minifsdp.tools.course_syllabus import GUIDE, schedule, syllabus
 from tests._student_edition import student_edition
@@ -53,6 +54,11 @@ def test_no_answer_survives_in_the_student_edition(edition, tmp_path):
         and "Task " in ast.unparse(n)}
     assert len(answers) >= 40 and len(tasks) >= 25, (len(answers), sorted(tasks))  # every answer was read
     # building the edition ran the same check over every file of it (student_copy refuses a copy that fails it)
+    # and it holds no instructor-only file: the guide, the answers, the bug lab's catalog and its faults, ...
+    assert all((ROOT / rel.rstrip("/")).exists() for rel in INSTRUCTOR_ONLY), INSTRUCTOR_ONLY  # the list is real
+    assert [rel for rel in INSTRUCTOR_ONLY if (edition / rel.rstrip("/")).exists()] == []
+    assert {"exercises/INSTRUCTOR.md", "exercises/solutions/", "tests/planted_faults/catalog.py",
+            "tests/planted_faults/bug_lab.py"} <= set(INSTRUCTOR_ONLY)
     cut = {lib: (task, c.file) for c in find_cuts(ROOT) for lib, ex, task in c.functions if ex}
     assert {t for t, _ in cut.values()} == {"2.2a", "2.2b", "2.2c", "2.3b", "2.4", "3.2b", "3.3", "4.3a", "4.3b",
                                              "4.4b"}, cut
