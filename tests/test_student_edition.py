@@ -21,6 +21,7 @@ import pytest
 from minifsdp.tools.course import CourseError, read_points
 from minifsdp.tools.course_copy import INSTRUCTOR_ONLY
 from minifsdp.tools.course_cut import cut_source, find_cuts, graded_bodies, surviving_answers
+from minifsdp.tools.course_rules import ANSWERED_BY
 from minifsdp.tools.course_syllabus import GUIDE, schedule, syllabus
 from tests._student_edition import student_edition
 
@@ -106,6 +107,16 @@ def test_the_edition_runs_the_students_code_where_the_library_was_cut(edition, t
     said = _run(answered, "-c", probe).stdout
     assert "raised: Task 2.3b: fsdp_model_state_bytes_per_rank -- see exercises/README_memory.md" in said, said
     assert "raised: Task 4.3a: save_pieces" in said and "the library's" in said, said
+
+
+def test_every_function_the_student_edition_cuts_is_its_tasks_forbidden_answer():
+    """A one-line import of the library's function is no answer: the tasks of every cut (the library functions
+    the student edition replaces by the learner's) forbid importing it, in the class's grading too, where the
+    library is whole."""
+    cut = [(f"{c.file.removesuffix('.py').replace('/', '.')}:{lib}", task) for c in find_cuts(ROOT)
+           for lib, _, task in c.functions if task]
+    assert len(cut) >= 10, cut
+    assert [(spec, task) for spec, task in cut if spec not in ANSWERED_BY.get(task, ())] == []
 
 
 def test_the_syllabus_follows_the_guide(edition):
