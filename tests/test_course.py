@@ -186,6 +186,7 @@ def test_the_rules_read_from_a_learners_file():
     flagged = " ".join(check_source(env, ("5.3",)))
     assert all(f in flagged for f in ("'MINIFSDP_PLANT_FAULT'", "`.os`", "`.environ`", "rule of task 5.3")), flagged
     for hatch in ("eval('1')", "open('x')", "f.__globals__", "getattr(dist, name)", "import subprocess",
+                  "operator.attrgetter('ring_reduce_scatter.__wrapped__')(ring)", "from operator import attrgetter",
                   "from tests.exercises import impl_module", "import exercises." + "solutions"):  # (split: no path)
         assert check_source(hatch + "\n", ("1.1",)), hatch
     assert check_source("from functools import reduce\nx = reduce(max, [1])\n", ("2.2a",)) == []

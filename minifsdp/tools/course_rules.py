@@ -59,13 +59,14 @@ IMPORTS = ("__future__", "math", "cmath", "itertools", "functools", "collections
            "heapq", "bisect", "statistics", "copy", "enum", "numbers", "contextlib", "time", "warnings", "abc",
            "fractions", "random", "torch", "minifsdp", "exercises")
 _HATCHES = {"eval", "exec", "compile", "__import__", "globals", "locals", "vars", "open", "breakpoint", "setattr",
-            "delattr", "__builtins__", "__file__", "__loader__", "__spec__"}
+            "delattr", "__builtins__", "__file__", "__loader__", "__spec__", "attrgetter", "methodcaller"}
 _DUNDERS_OK = {"__init__", "__name__", "__qualname__", "__class__", "__doc__", "__len__", "__call__", "__enter__",
                "__exit__", "__iter__", "__next__", "__getitem__", "__setitem__", "__contains__", "__repr__", "__str__",
                "__eq__", "__hash__", "__post_init__", "__all__", "__annotations__", "__future__"}
 _ATTRS_NEVER = {"os", "sys", "environ", "getenv", "putenv", "unsetenv", "system", "popen", "subprocess", "modules",
                 "builtins", "_getframe", "_current_frames", "settrace", "setprofile", "f_back", "f_globals", "f_locals",
-                "f_code", "f_builtins", "gi_frame", "cr_frame", "tb_frame", "tb_next", "co_code"}
+                "f_code", "f_builtins", "gi_frame", "cr_frame", "tb_frame", "tb_next", "co_code", "attrgetter",
+                "methodcaller"}
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "_all_gather_base",
@@ -209,6 +210,8 @@ def check_source(text: str, tasks, path: str = "") -> list[str]:
                         bad(node, f"`import {mod}`: rule of task {'/'.join(r.tasks)}: {r.why}")
             if isinstance(node, ast.ImportFrom):
                 for a in node.names:
+                    if a.name in _HATCHES:
+                        bad(node, f"`{a.name}`: learner code does not reach around Python ({a.name} is not allowed)")
                     for r in rules:
                         if a.name in r.names or (node.module in dist_aliases and a.name in r.dist_calls) or (
                                 node.level == 0 and a.name in _answers(r)):
