@@ -313,18 +313,8 @@ def _run(args) -> int:
     only = [t.strip() for t in args.task.split(",") if t.strip()] if args.task is not None else None
     if only == []:
         raise CourseError(f"--task {args.task!r} names no task: give ids of exercises/points.csv, e.g. --task 2.2a")
-    seed = check_seed(args.seed) if args.seed is not None else secrets.randbelow(MAX_SEED + 1)
-    print(f"grading seed {seed} (the tests' inputs are drawn from it; --seed {seed} grades them again)",
-          file=sys.stderr)
-    if args.submissions is not None:
-        from minifsdp.tools.course_class import grade_submissions
-
-        written, _ = grade_submissions(root, args.submissions, args.csv, only, seed=seed, force=args.force,
-                                       key=args.key)
-        print(f"wrote {written}")
-        return 0
     results = []
-    if only and "bug" in only:
+    if only and "bug" in only and args.submissions is None:  # one lab, graded from the key (--seed: the lab's)
         from minifsdp.tools.course_bug import grade_bug
 
         if args.dir is None:
@@ -336,6 +326,16 @@ def _run(args) -> int:
         if only is None:
             print(as_json(results) if args.json else table(results))
             return 0
+    seed = check_seed(args.seed) if args.seed is not None else secrets.randbelow(MAX_SEED + 1)
+    print(f"grading seed {seed} (the tests' inputs are drawn from it; --seed {seed} grades them again)",
+          file=sys.stderr)
+    if args.submissions is not None:
+        from minifsdp.tools.course_class import grade_submissions
+
+        written, _ = grade_submissions(root, args.submissions, args.csv, only, seed=seed, force=args.force,
+                                       key=args.key)
+        print(f"wrote {written}")
+        return 0
     from minifsdp.tools.course_run import grade
 
     graded, stray = grade(root, args.impl, only, seed=seed)
@@ -344,5 +344,6 @@ def _run(args) -> int:
         print(f"not counted (their task has no row in exercises/points.csv): {', '.join(stray)}", file=sys.stderr)
     print(as_json(results) if args.json else table(results))
     if not args.json and only is None:
-        print("the find-the-bug lab is graded on its own: python -m minifsdp course grade --task bug --dir DIR")
+        print("the find-the-bug lab is graded on its own: "
+              "python -m minifsdp course grade --task bug --dir DIR --key KEY")
     return 0
