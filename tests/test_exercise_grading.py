@@ -5,7 +5,8 @@ a class finds earn nothing.
   test.  The README's test command already runs ``tests/exercises`` that way, earlier in the same session
   (the folder sorts before this file), and ``tests/conftest.py`` records each outcome: those outcomes are
   scored, not run again.  Run alone, this file runs them once, through the grader.
-* A class (``course grade --submissions``, copies of the student edition built here, one graded run):
+* A class (``course grade --submissions``, copies of the student edition built here; the honest copy is graded
+  on its own, in the extended tier: the cheats are refused on their files and cost seconds):
   - ``untouched``: every task and project earns 0, each failing in one line (no traceback), with no test run;
   - ``honest``: the answers of tasks 1.3 and 2.2a-c copied over the stubs, and 2.3a written, earn their points
     (the learner's process, the learner's ranks, the overlay of the graded files: the student's path; the other
@@ -206,11 +207,10 @@ def _student(edition: Path, where: Path, files: dict[str, str] | None = None, an
 
 
 @pytest.mark.timeout(900)
-def test_a_class_untouched_honest_cheating_and_broken(edition, tmp_path):
+def test_a_class_untouched_cheating_and_broken(edition, tmp_path):
+    """Every cheat earns 0 on the task it targets, the rule or the reason named; CSV, feedback, --force."""
     klass = tmp_path / "class"
     _student(edition, klass / "untouched")
-    _student(edition, klass / "honest", {"exercises/memory_tasks.py": _with_2_3a_done(edition)},
-             answers=("launch_tasks.py", "ring_collectives.py"))
     _student(edition, klass / "cheater", {
         "exercises/__init__.py": FORGED_RECORDER, "exercises/launch_tasks.py": SAMPLER,
         "exercises/ring_collectives.py": ORACLE_RING, "exercises/memory_tasks.py": LOOKUP,
@@ -218,23 +218,17 @@ def test_a_class_untouched_honest_cheating_and_broken(edition, tmp_path):
     _student(edition, klass / "importer", LIBRARY_ANSWERS)
     (klass / "broken").mkdir()
     (klass / "broken" / "README.md").write_text("an upload without its exercises/ folder\n")
-    (klass / "__MACOSX" / "honest").mkdir(parents=True)  # what a zip made on a Mac holds: not a student
+    (klass / "__MACOSX" / "cheater").mkdir(parents=True)  # what a zip made on a Mac holds: not a student
 
     csv_path, results = grade_submissions(ROOT, klass, None, seed=SEED)
     everything = [r.task for r in _rows()]
-    assert sorted(results) == ["broken", "cheater", "honest", "importer", "untouched"], sorted(results)
+    assert sorted(results) == ["broken", "cheater", "importer", "untouched"], sorted(results)
     by = {name: {r["task"]: r for r in rows} for name, rows in results.items()}
 
     for r in results["untouched"]:
         assert r["points"] == 0 and r["failed"].startswith(f"task {r['task']} not done yet: "), r
         assert "\n" not in r["failed"] and "Traceback" not in r["failed"], r
     assert [r["task"] for r in results["untouched"]] == everything
-
-    answered = ("1.3", "2.2a", "2.2b", "2.2c", "2.3a")
-    short = [f"{t}: {by['honest'][t]['failed']}" for t in answered
-             if by["honest"][t]["points"] != by["honest"][t]["possible"]]
-    assert not short, "the answers copied into the student edition miss points:\n" + "\n".join(short)
-    assert all(r["points"] == 0 for t, r in by["honest"].items() if t not in answered)
 
     cheats = {"1.3": "rule of task 1.3", "2.2b": "rule of task 2.2a/2.2b/2.2c", "2.3a": "the paper's",
               "5.3": "`import os`", "project-zero1": "rule of task project-zero1"}
@@ -251,15 +245,30 @@ def test_a_class_untouched_honest_cheating_and_broken(edition, tmp_path):
 
     lines = csv_path.read_text().splitlines()
     assert lines[0].split(",") == ["student", *everything, "earned", "possible", "seed", "first failure"], lines[0]
-    assert [ln.split(",")[0] for ln in lines[1:]] == ["broken", "cheater", "honest", "importer", "untouched"]
-    honest = next(ln for ln in lines if ln.startswith("honest,"))
-    earned = sum(by["honest"][t]["points"] for t in answered)
-    assert f",{earned},{sum(r.points for r in _rows())},{SEED}," in honest, honest
+    assert [ln.split(",")[0] for ln in lines[1:]] == ["broken", "cheater", "importer", "untouched"]
+    assert f",0,{sum(r.points for r in _rows())},{SEED}," in next(ln for ln in lines if ln.startswith("cheater,"))
     notes = (csv_path.parent / "feedback" / "cheater.md").read_text()
     assert "## 2.2b: 0 / " in notes and "exercises/ring_collectives.py:5: `dist.all_gather_into_tensor`" in notes, notes
     assert "(grading seed 20260417)" in notes
     with pytest.raises(CourseError, match="--force"):
         grade_submissions(ROOT, klass, None, seed=SEED)
+
+
+@pytest.mark.timeout(900)
+def test_an_honest_copy_in_a_class_earns_its_points(edition, tmp_path):
+    """The answers of 1.3 and 2.2a-c copied over the stubs, and 2.3a written, graded as a class's copy (the
+    learner's process, the learner's ranks, the overlay of the graded files): every point of those tasks."""
+    klass = tmp_path / "class"
+    _student(edition, klass / "honest", {"exercises/memory_tasks.py": _with_2_3a_done(edition)},
+             answers=("launch_tasks.py", "ring_collectives.py"))
+    csv_path, results = grade_submissions(ROOT, klass, None, seed=SEED)
+    by = {r["task"]: r for r in results["honest"]}
+    answered = ("1.3", "2.2a", "2.2b", "2.2c", "2.3a")
+    short = [f"{t}: {by[t]['failed']}" for t in answered if by[t]["points"] != by[t]["possible"]]
+    assert not short, "the answers copied into the student edition miss points:\n" + "\n".join(short)
+    assert all(r["points"] == 0 for t, r in by.items() if t not in answered)
+    earned = sum(by[t]["points"] for t in answered)
+    assert f",{earned},{sum(r.points for r in _rows())},{SEED}," in csv_path.read_text().splitlines()[1]
 
 
 @pytest.mark.timeout(300)
