@@ -10,9 +10,13 @@ inside them: an all-gather (the c10d op itself, seen by a dispatch mode, named b
 its completion (FSDP1: ``wait_unshard`` finds it in flight; FSDP2: ``wait_for_unshard``'s copy-out), a free (the
 full parameters released), a reduce-scatter (the c10d op) and, FSDP1, its completion (``finish_reduce``).
 
-torch's, recorded in the same run: the same collectives (FSDP1: c10d ops named by the handle whose ``_unshard`` or
-``_reduce_grad`` issued them, a prefetch being one issued inside ``_prefetch_handle``; FSDP2: by the
-``FSDPParamGroup`` whose ``unshard`` or ``post_backward`` issued them, and its copy-outs).
+torch's, recorded in the same run, the same way: its hooks (FSDP1: ``_pre_forward``, ``_post_forward``,
+``_pre_backward_hook``, ``_post_backward_hook``, ``_post_backward_final_callback``; fully_shard: the group's
+``pre_forward``, ``post_forward``, ``post_backward``, the state's ``_pre_backward`` and its final callback), the
+queueing of that callback, the frees (the full buffer's storage released) and the c10d collectives, named by the
+handle or group whose ``_unshard`` / ``_reduce_grad`` (FSDP1) or ``unshard`` / ``post_backward`` (fully_shard) issued
+them; FSDP1's all-gathers issued inside ``_prefetch_handle`` are marked "prefetch"; fully_shard's copy-outs
+(``wait_for_unshard`` with a gather pending).
 """
 
 from __future__ import annotations
@@ -232,8 +236,10 @@ def _fsdp1_torch(rank, world):
 
     with patched((fsdp_module, "_pre_forward", hook("pre-forward", 1)),
                  (fsdp_module, "_post_forward", hook("post-forward", 1)),
-                 (ru, "_pre_backward_hook", hook("pre-backward", 2)), (ru, "_post_backward_hook", hook("post-backward", 1)),
-                 (ru, "_post_backward_final_callback", final_callback), (ru, "_register_post_backward_final_callback", queue),
+                 (ru, "_pre_backward_hook", hook("pre-backward", 2)),
+                 (ru, "_post_backward_hook", hook("post-backward", 1)),
+                 (ru, "_post_backward_final_callback", final_callback),
+                 (ru, "_register_post_backward_final_callback", queue),
                  (ru, "_unshard", owned), (ru, "_reduce_grad", owned), (ru, "_prefetch_handle", prefetch),
                  (ru, "_reshard", reshard)):
         model = TorchFSDP(TinyGPT(seed=0), auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
