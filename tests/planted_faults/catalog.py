@@ -292,6 +292,16 @@ FAULTS = [
         why="the chapter's 2-rank spawn: the warning must appear once, beside torch FSDP1's replicas drifting apart",
     ),
     Fault(
+        name="torch_dcp_check_reads_only_its_caller",
+        plants="the check for torch's get_state_dict looks at the frame that called it (ours' state_dict) and stops, "
+               "never reaching torch's checkpoint module further up, so torch's API reads ours as a plain module",
+        target="minifsdp.fsdp.pitfalls:check_not_torch_dcp",
+        old="        frame = frame.f_back",
+        new="        frame = None",
+        test="tests/test_pitfalls.py::test_torch_get_state_dict_on_ours_fsdp1_is_refused_with_the_api_to_use",
+        why="the chapter's 2-rank spawn: torch's get_state_dict must raise on ours, naming the API to use",
+    ),
+    Fault(
         name="fsdp2_optimizer_check_skips_gradless",
         plants="the FSDP2 optimizer check only looks at parameters that have a gradient, and an unsharded parameter "
                "never has one at the step, so an optimizer built after a forward steps it unnamed",
