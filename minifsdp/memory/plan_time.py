@@ -111,9 +111,10 @@ def smallest_world_that_fits(shape: ModelShape, run: Run, gpu: GPU, largest: int
 
 def largest_that_fits(shape: ModelShape, run: Run, gpu: GPU, field: str = "batch", largest: int = 2**30) -> \
         tuple[int, str]:
-    """(the largest ``batch`` or ``seq`` at which some strategy fits at this world size, that strategy); (0, "")
-    when even 1 does not.  The peak grows with both, so doubling, then bisection."""
-    best = (0, "")
+    """(the largest ``batch`` or ``seq`` at which some strategy fits at this world size, that strategy, the
+    fastest of those that reach it); (0, "") when even 1 does not.  The peak grows with both: doubling, then
+    bisection."""
+    best = (0, 0.0, "")
     for r in _candidates(run):
         def ok(v, r=r):
             return fits(shape, dataclasses.replace(r, **{field: v}), gpu)
@@ -125,8 +126,9 @@ def largest_that_fits(shape: ModelShape, run: Run, gpu: GPU, field: str = "batch
             lo, hi = hi, 2 * hi
         hi = min(hi, largest)
         v = hi if ok(hi) else _first_true(lambda k: not ok(k), lo, hi) - 1
-        best = max(best, (v, r.strategy))
-    return best
+        best = max(best, (v, -step_time(shape, dataclasses.replace(r, **{field: v}), gpu)["lower_bound_s"],
+                          r.strategy))
+    return best[0], best[2]
 
 
 def _fits_somehow(shape: ModelShape, run: Run, gpu: GPU) -> tuple[float, str] | None:
