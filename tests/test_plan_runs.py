@@ -12,6 +12,7 @@ half the datasheet's "with sparsity" figure.  Exact, no tolerance.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +49,16 @@ def test_every_card_is_expressible_and_its_figures_hang_together(capsys):
     assert (GPUS["h100"].bf16_flops, GPUS["a100"].bf16_flops, GPUS["b200"].bf16_flops) == (989e12, 312e12, 2250e12)
     assert gpu("V100").flops("bf16") == 15.7e12 and gpu("v100").flops("fp16") == 125e12  # no bf16 Tensor Cores
     assert gpu("RTX-4090") is GPUS["rtx4090"] and gpu("A100_80") is GPUS["a100"] and gpu("H100-80") is GPUS["h100"]
+
+
+def test_the_chapters_table_of_cards_is_the_code():
+    text = (Path(__file__).resolve().parents[1] / "chapters" / "02_fsdp_core.md").read_text()
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1] and line.split()[0] in GPUS}
+    assert set(rows) == set(GPUS)
+    for name, card in GPUS.items():
+        assert card.name in rows[name] and f"{card.memory / 1e9:.0f} GB" in rows[name]
+        assert f"{card.bf16_flops / 1e12:,.1f}" in rows[name] and f"{card.intra_node_bps / 1e9:,.0f} / " \
+            f"{card.inter_node_bps / 1e9:,.0f}" in rows[name]
 
 
 def test_gpu_memory_replaces_the_published_one(capsys):

@@ -32,6 +32,7 @@ One step of FULL_SHARD with BACKWARD_PRE, the moments ``moments`` evaluates (uni
     forward    gather root | gather b0, run, free | ... | head + loss     activations pile up
     backward   loss grads  <- root and b(L-1) gathered, every activation alive: usually the peak
                b(L-1) .. b0: gather the next (prefetch), gradient whole, reduce-scatter, free
+               (reduce dtype wider than the compute's, e.g. fp32 under bf16: free, cast the gradient, reduce)
     optimizer  every gradient shard alive, plus foreach AdamW's one temporary (sqrt of v)
 """
 
@@ -57,7 +58,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "ddp_buck
 
 @dataclass(frozen=True)
 class Run:
-    """How the model is trained: ranks, strategy, precision, optimizer, batch per rank, wrapping."""
+    """How the model is trained: ranks, strategy, precision and reduce dtype, optimizer, batch per rank, wrapping.
+    Names are case-insensitive ("BF16", "full_shard")."""
 
     world_size: int
     strategy: str = "FULL_SHARD"
