@@ -47,6 +47,13 @@ def test_the_flop_count_and_the_rates_are_printed_and_in_the_json(capsys, checkp
     assert "perfect overlap, no latency" in capsys.readouterr().out
 
 
+def test_an_mlps_flops_count_its_samples(capsys):
+    a = _json(capsys, "--model", "mlp", "--batch", "3", "--world-size", "2")["assumptions"]
+    weights = 16 * 32 + 32 * 32 + 32 * 8  # the book's MLP: Linear(16, 32), Linear(32, 32), Linear(32, 8)
+    assert a["matmul_parameters"] == weights and a["flops_per_step"] == 6 * weights * 3
+    assert a["tokens_per_step_per_gpu"] == 3 and "samples" in a["flops_formula"]
+
+
 def test_the_smallest_world_size_is_any_whole_number():
     shape, gpu = preset("llama-70b"), GPUS["h100"]
     run = Run(8, precision="bf16", activation_checkpointing=True)

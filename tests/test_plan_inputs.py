@@ -43,6 +43,8 @@ def _cli(capsys, *argv) -> tuple[int, str, str]:
     (["--model", "llama-7b", "--gpu-memory", "0"], "--gpu-memory takes a positive number of GB"),
     (["--model", "llama-7b", "--layers", "4"], "not both"),
     (["--model", "llama-7b", "--world-size", "0"], "--world-size must be positive"),
+    (["--model", "mlp", "--seq", "5"], "--seq has no meaning for mlp, an MLP"),
+    (["--model", "gpt2", "--link-gbps", "0,400"], "--link-gbps takes positive speeds"),
 ])
 def test_bad_input_names_the_flag_and_the_fix(capsys, argv, says):
     code, out, err = _cli(capsys, *argv)

@@ -182,13 +182,14 @@ def advise(shape: ModelShape, run: Run, gpu: GPU) -> str:
 def assumptions(shape: ModelShape, run: Run, gpu: GPU) -> dict:
     """What the time bound assumes, to print beside it: the FLOP count and its formula, the peak rates, the
     overlap, the latency left out, what "fits" allows."""
-    seq = run.seq or shape.seq
-    tokens = run.batch * seq
+    mlp = shape.arch == "mlp"  # an MLP's "tokens" are its samples, and it has no attention
+    tokens = run.batch * (1 if mlp else run.seq or shape.seq)
     flops = _flops(shape, run)
     return {
         "flops_per_step": flops, "flops_per_token": flops / tokens, "tokens_per_step_per_gpu": tokens,
         "matmul_parameters": shape.matmul_params(),
-        "flops_formula": "6 x matmul parameters x tokens + 12 x layers x seq x hidden x tokens (attention)"
+        "flops_formula": ("6 x matmul parameters x samples" if mlp else
+                          "6 x matmul parameters x tokens + 12 x layers x seq x hidden x tokens (attention)")
                          + (", x 4/3 (activation checkpointing: the forward again)" if run.activation_checkpointing
                             else ""),
         "peak_flops": gpu.flops(run.precision), "peak_flops_dtype": run.precision,

@@ -157,6 +157,8 @@ def _shape(args, warnings: list[str]):
             shape = preset(args.model) if args.model is not None else shape_from_hf_config(args.hf_config)
         except ValueError as e:
             raise PlanError(str(e)) from None
+        if args.seq and shape.arch == "mlp":
+            raise PlanError(f"--seq has no meaning for {shape.name}, an MLP: it takes --batch samples; leave --seq out")
         if args.seq and args.seq > shape.seq:
             if shape.arch == "gpt":
                 raise PlanError(f"{shape.name} learns positions for {shape.seq} tokens; --seq {args.seq} is "
@@ -212,6 +214,8 @@ def _gpu(args):
     if len(speeds) != 2:
         raise PlanError(f"--link-gbps takes two speeds, inside and between nodes, e.g. 3600,400; "
                         f"got {args.link_gbps!r}")
+    if min(speeds) <= 0:
+        raise PlanError(f"--link-gbps takes positive speeds in Gbit/s, e.g. 3600,400; got {args.link_gbps!r}")
     return with_links(card, *speeds)
 
 
