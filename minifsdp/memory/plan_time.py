@@ -12,10 +12,15 @@ FSDP hides its network time only if each unit's collectives travel while another
 unit's all-gather behind this unit's forward, and in the backward the next all-gather plus this unit's
 reduce-scatter behind its backward.  :func:`overlap` compares the two for one block.
 
-Note (published peaks, not measurements): the FLOP/s and link speeds below are NVIDIA's published figures
-(:data:`GPUS`, each with its source); real kernels reach a fraction of them, and every message also pays a
-latency (a ring pays it N - 1 times per collective) that this bound leaves out.  So a real step is slower;
-a plan whose lower bound is already too slow will not be saved by tuning.
+Note (published peaks, not measurements): the FLOP/s and link speeds are the vendors' published figures
+(:data:`GPUS`, in :mod:`minifsdp.memory.gpus`, each with its source); real kernels reach a fraction of them,
+and every message also pays a latency (a ring pays it N - 1 times per collective) that this bound leaves out.
+So a real step is slower; a plan whose lower bound is already too slow will not be saved by tuning.
+:func:`assumptions` says all of this beside every plan, with the FLOP count it used.
+
+Note (advice in numbers): when no strategy fits, :func:`advise` names the changes that would, each found by
+doubling then bisection on the plan itself (the peak grows with batch and sequence and falls with N):
+checkpointing alone and its peak, the largest batch (or sequence), the smallest world size of any size.
 
 Note (what "fits" means): the predicted peak at most ``USABLE`` (90%) of the card's published memory.  The
 other 10% is an allowance, not a measurement, for what no tensor shows: the CUDA context, NCCL's buffers,
