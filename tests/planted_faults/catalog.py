@@ -352,6 +352,17 @@ FAULTS = [
         test="tests/test_plan_real_scale.py::test_llama_7b_at_64_ranks_against_the_formulas",
         why="one process: llama-7b at 64 ranks sends 3 x 4P(N-1)/N less one all-gather of its 262M-number root",
     ),
+    Fault(
+        name="plan_link_speed_in_bytes",
+        plants="the plan divides bytes by a link speed in bits per second (the factor 8 forgotten): every network "
+               "time 8x too short",
+        target="minifsdp.memory.plan_time:_seconds",
+        old="return 8 * c.bytes_sent / (gpu.inter_node_bps if c.across_nodes else gpu.intra_node_bps)",
+        new="return c.bytes_sent / (gpu.inter_node_bps if c.across_nodes else gpu.intra_node_bps)",
+        test="tests/test_plan_worked_example.py::test_network_and_compute_time_are_the_hand_worked_values[8]",
+        why="one process: chapter 2.3 works Llama 2 7B's network time at 8 H100s by hand, 34,917,922,816 bytes x 8 "
+            "bits at 3,600 Gbit/s = 0.0776 s; ratios of network times, all 8x off, would not notice",
+    ),
     # ------------------------------------------------------------------ the ring (chapter 2.2)
     Fault(
         name="ring_chunk_index",
