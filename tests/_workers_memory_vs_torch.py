@@ -139,7 +139,7 @@ def hidden_copy_worker() -> dict:
 
 
 def dropped_model_worker(cases: tuple) -> dict:
-    """{case: bytes still alive after the user drops the model and optimizer}: must be 0.
+    """{case: bytes still alive after the user drops the model and optimizer}: 0 for ours ("+torch": torch FSDP1).
 
     A hook registered on a tensor lives in C++, out of the garbage collector's sight; a hook that
     holds its module makes a cycle nothing can collect, and every model built and dropped (a notebook,
@@ -160,8 +160,8 @@ def dropped_model_worker(cases: tuple) -> dict:
             from minifsdp.ddp import DistributedDataParallel
 
             model = DistributedDataParallel(model)
-        else:
-            model = _wrap("ours", model, {Block}, strategy, variant == "orig")
+        else:  # "+torch": torch FSDP1, which keeps it (its post-backward hook holds the unit from C++)
+            model = _wrap("torch" if variant == "torch" else "ours", model, {Block}, strategy, variant == "orig")
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         if variant == "no_sync":
             with model.no_sync():

@@ -142,7 +142,8 @@ EXTRAS = {"default": {}, "forward_prefetch": dict(forward_prefetch=True), "no_li
           "summon_with_grads": dict(use_orig_params=True),  # (summon_full_params(with_grads=True) after the backward)
           "frozen_fc_orig": dict(use_orig_params=True),  # (_Spare's fc frozen)
           # (before each step's forward: a forward under no_grad, then summon_full_params with an edit written back)
-          "summon_edit_after_no_grad": dict(use_orig_params=True)}
+          "summon_edit_after_no_grad": dict(use_orig_params=True),
+          "summon_edit_not_written_back": dict(use_orig_params=True)}  # (the same with writeback=False)
 ORDER_CASES = [(shape, strategy, prefetch, extra) for shape in ("linears", "root_params", "nested")
                for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in PREFETCH
                for extra in ("default", "forward_prefetch", "no_limit")
@@ -163,6 +164,9 @@ ORDER_CASES += [("spare", "FULL_SHARD", "BACKWARD_PRE", "frozen_fc_orig")]
 # SHARD_GRAD_OP keeps what a no_grad forward gathered; an edit inside summon_full_params is written back to the
 # shard and is in the kept buffer too: the next forward gathers nothing, as torch's
 ORDER_CASES += [("linears", "SHARD_GRAD_OP", "BACKWARD_PRE", "summon_edit_after_no_grad")]
+# the same with writeback=False: the shard never sees the edit, but the kept buffer holds it and the next forward
+# computes with it, gathering nothing (torch's _unshard_fsdp_state_params frees only what it gathered)
+ORDER_CASES += [("linears", "SHARD_GRAD_OP", "BACKWARD_PRE", "summon_edit_not_written_back")]
 ORDER_STEPS = 3  # the 2nd step is the first with an order recorded (forward_prefetch follows it), the 3rd repeats it
 
 
@@ -177,10 +181,10 @@ def case_order(api: Side, shape: str, strategy: str, prefetch: str, extra: str) 
     out = {"forward": [], "backward": [], "losses": []}
     for step in range(ORDER_STEPS):
         x, y = batch(step, dist.get_rank())
-        if extra == "summon_edit_after_no_grad":
+        if extra.startswith("summon_edit"):
             with torch.no_grad():
                 model(x)
-            with api.FSDP.summon_full_params(model, writeback=True), torch.no_grad():
+            with api.FSDP.summon_full_params(model, writeback=extra == "summon_edit_after_no_grad"), torch.no_grad():
                 next(iter(model.parameters())).add_(0.5)
         with CollectiveLog() as fwd:
             loss = F.mse_loss(model(x).float(), y)  # (bf16 under MixedPrecision)

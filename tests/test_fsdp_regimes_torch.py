@@ -10,7 +10,8 @@
    ``forward_prefetch``; a frozen first unit the backward never reaches, under SHARD_GRAD_OP (kept gathered into
    the next step), use_orig_params False and True; a unit the backward reaches only through a frozen original
    (use_orig_params: it reduce-scatters); under SHARD_GRAD_OP, a forward under ``no_grad`` then an edit written
-   back inside ``summon_full_params`` before each step (the kept full parameters are used, not gathered again);
+   back inside ``summon_full_params`` before each step (the kept full parameters are used, not gathered again),
+   and the same edit not written back (the kept buffer still computes with it);
    and ``summon_full_params(with_grads=True)`` after each backward
    (every collective with its dtype, ``minifsdp.fuzz.record.CollectiveRecorder``).  Three steps each:
    ``forward_prefetch`` prefetches from the second on.

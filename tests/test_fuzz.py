@@ -191,15 +191,27 @@ PINNED = {
     # block 0's unit mixes a frozen Linear (up) with a trainable one (down)
     "frozen_originals_get_grads_under_no_sync": _pinned(use_orig_params=True, frozen=["blocks.0.up"],
                                                        steps=[{"op": "no_sync"}]),
+    # 4 ranks, shard groups [0, 1] and [2, 3]; the state dict is the last step (torch's ranks 2 and 3 raise there)
+    "local_state_dict_under_hybrid_shard": _pinned(sharding_strategy="HYBRID_SHARD", steps=[
+        {"op": "state_dict", "type": "LOCAL", "rank0_only": False, "offload": False, "load": True}]).replace(
+        world_size=4).replace(steps=[*(({"op": "train", "clip": None, "set_to_none": True},) * 2),
+                                     {"op": "state_dict", "type": "LOCAL", "rank0_only": False, "offload": False,
+                                      "load": True}]),
 }
+# the ranks where a pinned program differs (every rank unless named)
+DIFFERING_RANKS = {"local_state_dict_under_hybrid_shard": (2, 3)}
 
 
 @pytest.fixture(scope="module")
 def pinned():
-    names = list(PINNED)
-    per_rank = spawn(both_sides, ([PINNED[n].to_json() for n in names],), world_size=2, timeout_s=300)
-    assert len(per_rank) == 2 and all(len(r) == len(names) for r in per_rank)
-    return {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+    """Every pinned program on both sides: one spawn per world size."""
+    out = {}
+    for n_ranks in sorted({p.world_size for p in PINNED.values()}):
+        names = [n for n, p in PINNED.items() if p.world_size == n_ranks]
+        per_rank = spawn(both_sides, ([PINNED[n].to_json() for n in names],), world_size=n_ranks, timeout_s=300)
+        assert len(per_rank) == n_ranks and all(len(r) == len(names) for r in per_rank)
+        out.update({n: [r[i] for r in per_rank] for i, n in enumerate(names)})
+    return out
 
 
 def test_every_known_difference_has_a_pinned_program():
@@ -210,8 +222,13 @@ def test_every_known_difference_has_a_pinned_program():
 def test_known_difference_is_explained_and_only_it(pinned, name):
     """The entry explains each difference its program shows, on every rank, and no other entry is needed."""
     program = PINNED[name]
+    differing = DIFFERING_RANKS.get(name, range(program.world_size))
+    assert len(pinned[name]) == program.world_size
     for rank, rec in enumerate(pinned[name]):
         diffs = differences(rec["ours"], rec["torch"], [s["op"] for s in program.steps])
+        if rank not in differing:
+            assert not diffs, (rank, diffs)
+            continue
         assert diffs, f"rank {rank}: {name} shows no difference any more: has torch changed? drop the entry"
         assert set(explain(program, diffs).values()) == {name}, (rank, diffs)
         assert len(explain(program, diffs)) == len(diffs), (rank, diffs)
@@ -279,6 +296,26 @@ def test_pinned_frozen_originals_torch_grads_under_no_sync_ours_none(pinned):
                 assert first_difference(o, t) is None, name
         assert all(g is None for n, g in rec["torch"]["steps"][i + 1]["grads"] if n in frozen)  # synced: none
         assert first_difference(rec["ours"]["final"], rec["torch"]["final"]) is None
+
+
+def test_pinned_local_state_dict_under_hybrid_shard_torch_raises_outside_the_first_group_ours_loads(pinned):
+    i = 2
+    recs = pinned["local_state_dict_under_hybrid_shard"]
+    for rank, rec in enumerate(recs):
+        assert rec["ours"]["error"] is None, rank
+        keys = [k for k, kind in rec["ours"]["steps"][i]["state_types"] if kind == "ShardedTensor"]
+        assert keys and all(k.endswith("_flat_param") for k in keys), keys
+        assert rec["ours"]["steps"][i]["load"] == ([], [])
+        if rank < 2:  # the first shard group: torch's dict, equal to ours
+            assert rec["torch"]["error"] is None
+            assert first_difference(rec["ours"]["steps"][i]["state"], rec["torch"]["steps"][i]["state"]) is None
+        else:
+            assert rec["torch"]["error"][:2] == (i, "ValueError"), rec["torch"]["error"]
+            assert "does not exist in input process group: [2, 3]" in rec["torch"]["error"][2]
+    # ranks 2 and 3 hold the same shards as ranks 0 and 1 (each group is a replica)
+    for rank in (2, 3):
+        assert first_difference(recs[rank]["ours"]["steps"][i]["state"], recs[rank - 2]["ours"]["steps"][i]["state"]) \
+            is None
 
 
 # ---------------------------------------------------------------------- the command

@@ -120,8 +120,8 @@ def _summoned(unit, writeback: bool, shown: bool):
         if h is not None and shown:
             hide_full_params(h)
             unit._extensions.after_reshard(unit)
-            if kept and writeback:  # the kept buffer holds what the shard now holds (an edit written back): no
-                h.gathered_from = h.shard_version()  # gather again at the next use (torch never gathers a kept one)
+            if kept:  # no gather again at the next use, whatever an edit bumped (torch never gathers a kept
+                h.gathered_from = h.shard_version()  # one: with writeback=False its edit stays until the free)
     finally:
         unit.training_state = before
 
@@ -129,7 +129,10 @@ def _summoned(unit, writeback: bool, shown: bool):
 @contextlib.contextmanager
 def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False):
     """Inside: every unit under ``module`` is whole; ``module.blocks[0].attn.qkv.weight`` has its full shape.
-    Collective.  ``writeback`` (torch's default) copies in-place edits into each rank's shard; ``rank0_only``
+    Collective.  ``writeback`` (torch's default) copies in-place edits into each rank's shard; without it an
+    edit never reaches the shard, but a unit whose full buffer was kept gathered (SHARD_GRAD_OP after a forward
+    with no backward or under no_sync; the root after its forward) computes with the edit until that buffer is
+    next freed, as torch's (``_unshard_fsdp_state_params`` frees only what it gathered); ``rank0_only``
     (with ``writeback=False``): only rank 0 of each unit's shard group sees it whole, the others gather
     and see their shards; ``recurse=False``: this unit only."""
     if rank0_only and writeback:

@@ -240,7 +240,10 @@ def _local_state_dict(root) -> "OrderedDict[str, torch.Tensor]":
             h = m._handle
             shard = h.flat_param.numel()
             valid = max(0, min(h.layout.numel - h.rank * shard, shard))
-            local = [LocalShard.from_tensor_and_offsets(h.flat_param.detach()[:valid], [shard * h.rank], h.rank)]
+            # a shard's placement names the global rank (ShardedTensor checks it is in the group): under HYBRID_SHARD
+            # the shard group of ranks 2 and 3 holds group ranks 0 and 1 (torch passes those and raises there)
+            owner = torch.distributed.get_global_rank(h.groups.shard, h.rank)
+            local = [LocalShard.from_tensor_and_offsets(h.flat_param.detach()[:valid], [shard * h.rank], owner)]
             out[key] = init_from_local_shards(local if valid > 0 else [], h.layout.numel,
                                               process_group=h.groups.shard)
         elif name in m._parameters:  # no unit manages it: the module's own tensor

@@ -36,10 +36,11 @@ not dividing evenly, a weight tied across two calls (at the first forward), and 
 are refused with torch's exception types.
 
 How ours differs from torch's, on purpose: ``mesh`` may also be a process group (made a 1-D mesh over its
-ranks); everything runs on the caller's thread (no streams: on CPU gloo there is nothing to overlap with), so
-the collectives are issued in torch's order but never overlap compute, and a prefetch only moves a gather
-earlier.  The extra keyword ``collectives`` picks torch's collectives (default, bitwise parity) or our ring
-(``"ring"``).
+ranks); everything runs on the caller's thread, each collective synchronous (no streams: torch's overlap on a
+GPU's streams, and on a CPU are synchronous too), so the collectives are issued in torch's order but never overlap
+compute, and a prefetch only moves a gather earlier (FSDP1's core issues its all-gathers with ``async_op=True``:
+gloo's thread runs one while the caller computes, ``fsdp/core/prefetch.py``).  The extra keyword ``collectives``
+picks torch's collectives (default, bitwise parity) or our ring (``"ring"``).
 """
 
 from __future__ import annotations

@@ -51,6 +51,16 @@ def _local_with_orig_params(program, d) -> bool:
     return d[0] in ("state", "state_types") and step is not None and step.get("type") == "LOCAL"
 
 
+def _local_hybrid_placement(program, d) -> bool:
+    """torch raises building a LOCAL state dict's ShardedTensor on a rank outside the first shard group."""
+    if program.impl != "fsdp1" or "HYBRID" not in program.options["sharding_strategy"] or d[0] != "error":
+        return False
+    head = "ours raised nothing vs torch raised ValueError at step "
+    i = d[2][len(head):].split(":")[0]
+    return (d[2].startswith(head) and i.isdigit() and program.steps[int(i)].get("type") == "LOCAL"
+            and "does not exist in input process group" in d[2])
+
+
 def _step_index(program, where: str) -> int | None:
     return int(where.split()[1]) if where.startswith("step ") else len(program.steps) if where == "final" else None
 
@@ -118,6 +128,13 @@ KNOWN: list[Known] = [
           "_flat_param'; _state_dict_utils._local_pre_state_dict_hook leaves the original parameters registered). "
           "Ours returns only the flat parameters, as without use_orig_params, and loads them back.",
           _local_with_orig_params),
+    Known("local_state_dict_under_hybrid_shard",
+          "LOCAL_STATE_DICT under HYBRID_SHARD (or _HYBRID_SHARD_ZERO2) with more than one shard group: torch places "
+          "each local shard at the rank within its shard group (_state_dict_utils._local_post_state_dict_hook passes "
+          "fsdp_state.rank to Shard.from_tensor_and_offsets), which ShardedTensor reads as a global rank, so every "
+          "rank outside the first group raises 'Global rank 0 does not exist in input process group: [2, 3]'. Ours "
+          "places it at the global rank (state_dict_type.py) and returns and loads the dict on every rank.",
+          _local_hybrid_placement),
     Known("full_state_dict_offload_on_cpu",
           "FULL_STATE_DICT with FullStateDictConfig(offload_to_cpu=True) on a sharded CPU run: torch's values are "
           "views of the unit's gathered flat parameter, which it frees on leaving the unshard ('tensor.cpu()' makes no "

@@ -14,7 +14,7 @@ the step (``fsdp.py``) calls at nine fixed points, each a moment torch's own run
                     unit's forward), the pre-backward's gather, summon's show
     after_forward   the forward's output is known                            _post_forward
     after_reshard   resharded after forward, backward, at the end: freed     FlatParamHandle.post_reshard
-                    or kept, as the plan says
+                    or kept, as the plan says; and once at wrap (sharded)
     after_reduce    the gradient is where the optimizer reads it (or, under  _post_backward_use_sharded_grad_views
                     no_sync, kept whole)
     after_backward  the final callback, for each unit                        _post_backward_final_callback

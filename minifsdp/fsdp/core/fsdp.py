@@ -16,16 +16,16 @@ the step's order, one section per phase:
     3. end           wait for every reduction; every unit back to IDLE           _post_backward_final_callback
     4. optimizer     opt.step() updates the shard: nothing for FSDP to do        (section 4, a comment)
 
-One FULL_SHARD step of a root with two nested units b0, b1 on one rank (AG = all-gather,
-RS = reduce-scatter, BACKWARD_PRE prefetch, time runs left to right):
+One FULL_SHARD step of a root and two nested units b0, b1, BACKWARD_PRE, on a CPU, event by event as recorded
+(``tests/test_step_picture.py``; torch FSDP1's come in the same order).  AG x: all-gather x and wait; prefetch AG
+x: start it, wait later (wait AG x); free x: drop x's full parameters; RS x: reduce-scatter (on a CPU, in the hook):
 
-    forward   AG root | AG b0, run b0, free b0 | AG b1, run b1, free b1 | run root's own tail
-    backward  pre root: queue the final callback
-              pre b1: AG b1, AG b0 started early | grad b1 | post b1: free b1, RS b1
-              pre b0: (AG b0 already here)       | grad b0 | post b0: free b0, RS b0
-              grad root (the root's parameters stayed: its backward began at once) | post root: RS root
-    end       final callback: the last RS finishes, every unit IDLE; flat_param.grad is each shard's gradient
-    step      opt.step(): each rank updates its 1/N; nothing is gathered until the next forward
+    forward   pre root: AG root | (embeddings) | pre b0: AG b0 | (b0) | post b0: free b0
+              pre b1: AG b1 | (b1) | post b1: free b1 | (head, loss) | post root (root stays: its backward is next)
+    backward  pre root: queue the final callback, prefetch AG b1 | (loss, head)
+              pre b1: wait AG b1, prefetch AG b0 | (b1) | post b1: free b1, RS b1
+              pre b0: wait AG b0 | (b0) | post b0: free b0, RS b0 | (embeddings) | post root: free root, RS root
+    end       final callback (no reduction left in flight: every unit IDLE, flat_param.grad its shard's gradient)
 
 Why gather again in the backward?  FULL_SHARD freed b0's parameters right after its forward
 (that is where its memory saving comes from), but b0's backward needs them: the Linear's weight

@@ -43,8 +43,8 @@ records a device event; each ``_unshard``, once two are queued, waits for the ol
 on a GPU, where the CPU thread only queues kernels, at most two all-gathers run ahead of the device's frees.
 It delays, never skips; a CPU's events (``torch.cpu.Event``) record nothing, so on a CPU it never waits.
 
-Note (never changes the numbers): a prefetch only moves *when* an all-gather is issued.  torch FSDP1
-issues it on a CUDA stream, so on a CPU it cannot overlap; ours runs on gloo's thread meanwhile.
+Note (never changes the numbers): a prefetch only moves *when* an all-gather is issued.  On a CPU torch FSDP1's
+gathers synchronously, overlapping nothing; ours (``async_op=True``) runs on gloo's own thread meanwhile.
 """
 
 import collections
@@ -61,11 +61,10 @@ class BackwardPrefetch(Enum):
     BACKWARD_POST = auto()
 
 class ExecutionOrder:
-    """The units in the order the model ran them: ``pre_forward`` in the first iteration only (torch: "fix
-    the order after the first iteration"), ``post_forward`` every iteration, cleared when it ends.
-
-    torch's ``_ExecOrderData`` (``_exec_order_utils.py``) keeps the same two lists (and each handle's index
-    in them); its ``next_iter`` is our ``end_iteration``, called from the final callback."""
+    """The units in the order the model ran them: ``pre_forward`` in the first iteration, each unit once (torch:
+    "fix the order after the first iteration"), ``post_forward`` every iteration, a unit called twice twice,
+    cleared when it ends.  torch's ``_ExecOrderData`` (``_exec_order_utils.py``) keeps these two lists, and each
+    handle's first index on the handle (ours: ``list.index``); its ``next_iter`` is our ``end_iteration``."""
 
     def __init__(self):
         self.pre_forward, self.post_forward, self.started, self.first_iteration = [], [], set(), True  # of units

@@ -92,10 +92,10 @@ class ShardingPlan:
         return self.all_reduce_in == "replicate group"
 
     def on(self, groups) -> "ShardingPlan":
-        """This plan for ``groups`` (N known); one rank has nothing to shard: NO_SHARD, with torch's warning.
-
-        Why?  A shard group of one rank would all-gather and reduce-scatter with itself: the same numbers as
-        NO_SHARD, for more work.  torch switches in ``_init_utils.py``'s ``_init_core_state``."""
+        """This plan for ``groups`` (N known); a shard group of one rank has nothing to shard: NO_SHARD, with a
+        warning, as torch's ``_init_core_state`` (``_init_utils.py``).  Why?  It would all-gather and reduce-scatter
+        with itself: NO_SHARD's numbers, for more work.  HYBRID keeps its plan: its replicate group still averages
+        the gradients (torch switches it too, and its replicas never synchronise: ``minifsdp/fsdp/pitfalls.py``)."""
         plan = replace(self, data_parallel_size=groups.data_parallel_size)
         if groups.shard_size > 1 or not self.shards_params or self.two_groups:
             return plan

@@ -11,10 +11,8 @@ Read in this order; each module imports only those above it (torch's file it mir
     state.py          the module hooks, the root's lazy init, the end of backward      _fsdp_state.py
     fully_shard.py    one call: take the parameters, make the group and the state     _fully_shard.py
 
-One step: ``fully_shard`` cuts each parameter into rows and groups them; the root's first forward runs its lazy
-init; each forward gathers its group (``pre_forward``: ``foreach_all_gather``, ``copy_out``) and frees it after;
-backward gathers again, then reduce-scatters the gradients (``post_backward``: ``foreach_reduce``); the end of
-backward finishes every group.  Checked bitwise against torch's ``fully_shard`` (tests/test_fsdp2.py).
+One step, hook by hook: the picture atop ``param_group.py``, checked against a recorded step of ours and of torch's
+(``tests/test_step_picture.py``).  Checked bitwise against torch's ``fully_shard`` (tests/test_fsdp2.py).
 
 Torch's wider API (HSDP, offload, shard_placement_fn, all-gather extensions, set_*) is above, in minifsdp/fsdp2/.
 """

@@ -88,7 +88,7 @@ def foreach_all_gather(params: list[FSDPParam], inputs: list[torch.Tensor], dtyp
     mine = gathered.narrow(0, rank * total, total)
     torch._foreach_copy_(list(mine.split(numels)), inputs)  # the copy-in
     if world_size > 1:
-        comm.all_gather(gathered, mine, group=group)
+        comm.all_gather(gathered, mine, group=group)  # synchronous, as torch's on a CPU: nothing overlaps it
     return AllGatherResult(params, gathered.view(world_size, total), numels)
 
 

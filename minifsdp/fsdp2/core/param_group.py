@@ -1,18 +1,19 @@
 """A parameter group (torch's ``FSDPParamGroup``, ``_fsdp_param_group.py``): one ``fully_shard`` call's parameters,
 gathered and reduced together, and the bodies of the four hooks that move them.
 
-One training step, seen from one group (a block) on one rank::
+One step of TinyGPT, ``fully_shard`` on each block (b0, b1) and the root, on a CPU: every hook and what it does, in
+order, as recorded (``tests/test_step_picture.py``; torch's ``fully_shard`` records the same).  AG x: ``unshard``
+(copy-in, all-gather) then ``wait_for_unshard`` (copy-out, install the full parameters); prefetch AG x: only the
+all-gather, its copy-out in x's own hook; free x: install the sharded parameters, free the full buffers; RS x: take
+the full gradients, reduce-scatter (``foreach_reduce``: this rank's rows become ``.grad``); (...): what runs::
 
-    pre_forward    unshard: copy-in, all-gather      wait_for_unshard: copy-out, install the full params
-    (forward runs on the full parameters)
-    post_forward   reshard: install the sharded params, free the full buffers (the root keeps them: its
-                   backward comes first and would gather them again at once)
-    pre_backward   unshard + wait_for_unshard again (autograd needs the weights to compute input gradients);
-                   prefetch: start the gather of the group whose forward ran just before this one
-    (backward runs: full gradients land on the full parameters)
-    post_backward  take the full gradients, reshard, reduce-scatter (foreach_reduce): this rank's rows of
-                   the averaged gradient become .grad of the sharded parameters
-    (the optimizer steps the sharded parameters in place: the next all-gather reads the new values)
+    forward   pre root: AG root | pre b0: AG b0 | (b0) | post b0: free b0 | pre b1: AG b1 | (b1) | post b1: free b1
+              post root (the root stays gathered: its backward comes first and would gather it again at once)
+    backward  pre root: queue the final callback, prefetch AG b1 | (head) | pre b1: copy-out b1, prefetch AG b0
+              (b1) | post b1: free b1, RS b1 | pre b0: copy-out b0 | (b0) | post b0: free b0, RS b0 | (embeddings)
+    end       final callback | post root: free root, RS root (its inputs, token ids, need no gradient: no hook)
+
+Every collective here is synchronous (torch's too, on a CPU): a prefetch moves a gather earlier, overlapping nothing.
 
 Why free after forward: between a block's forward and its backward every other block runs; holding all full
 parameters would cost the whole model's size, the very memory sharding saves.  The price is a second all-gather
