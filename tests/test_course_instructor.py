@@ -109,9 +109,11 @@ def test_only_the_planted_function_of_a_fix_is_graded():
     rel, clean, planted = plant_file(ROOT, fault)
     qualname = fault.target.partition(":")[2]
     assert graded_fix(clean, planted, clean, qualname, rel) == (None, "")  # the library's own: fixed, none to run
-    forged = 'print("1 passed in 0.01s")\nimport os\nos._exit(0)\n' + planted  # unfixed, faking pytest on import
+    # unfixed, with every test made to pass on import (put at the top of every library file, it lands in the
+    # planted one without finding it: the whole file, graded before, earned the fix's half)
+    forged = "import _pytest.python as _p\n_p.Function.runtest = lambda self: None\n" + planted
     text, why = graded_fix(clean, planted, forged, qualname, rel)
-    assert why == "" and text == planted and "os._exit" not in text  # the planted function runs its test, alone
+    assert why == "" and text == planted and "runtest" not in text  # the planted function runs its test, alone
     mended = planted.replace(fault.new, "return (numel + world_size - 1) // world_size * world_size", 1)  # its words
     assert graded_fix(clean, planted, mended, qualname, rel)[0] == mended
     lines = planted.splitlines(keepends=True)
