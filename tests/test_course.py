@@ -187,6 +187,8 @@ def test_the_rules_read_from_a_learners_file():
     assert all(f in flagged for f in ("'MINIFSDP_PLANT_FAULT'", "`.os`", "`.environ`", "rule of task 5.3")), flagged
     for hatch in ("eval('1')", "open('x')", "f.__globals__", "getattr(dist, name)", "import subprocess",
                   "operator.attrgetter('ring_reduce_scatter.__wrapped__')(ring)", "from operator import attrgetter",
+                  "torch.ones(1).numpy().tofile('tests/x.py')", "torch.save(1, 'tests/x.py')",
+                  "from torch.utils import cpp_extension", "import torch.utils.cpp_extension", "from torch import save",
                   "from tests.exercises import impl_module", "import exercises." + "solutions"):  # (split: no path)
         assert check_source(hatch + "\n", ("1.1",)), hatch
     assert check_source("from functools import reduce\nx = reduce(max, [1])\n", ("2.2a",)) == []

@@ -6,7 +6,8 @@ and why, and it is checked twice:
 
 * statically, on the learner's file, before any test of the task runs (``tests/exercises/conftest.py``):
   the imports a file may make (:data:`IMPORTS`, plus a task's own), Python's escape hatches (``eval``,
-  ``open``, ``getattr`` of a computed name, dunder attributes such as ``__globals__``, ``os.environ``), the
+  ``open``, ``getattr`` of a computed name, dunder attributes such as ``__globals__``, ``os.environ``, torch's
+  ways to write files or build code: ``torch.save``, ``.tofile``, ``torch.utils.cpp_extension``), the
   names a task's rule forbids, and the library's own answer to the task (:data:`ANSWERED_BY`: a one-line
   import of ``minifsdp.comm.ring.ring_reduce_scatter`` is no answer to 2.2a).  A file that breaks one fails
   every test of its tasks with the line;
@@ -66,7 +67,12 @@ _DUNDERS_OK = {"__init__", "__name__", "__qualname__", "__class__", "__doc__", "
 _ATTRS_NEVER = {"os", "sys", "environ", "getenv", "putenv", "unsetenv", "system", "popen", "subprocess", "modules",
                 "builtins", "_getframe", "_current_frames", "settrace", "setprofile", "f_back", "f_globals", "f_locals",
                 "f_code", "f_builtins", "gi_frame", "cr_frame", "tb_frame", "tb_next", "co_code", "attrgetter",
-                "methodcaller"}
+                "methodcaller", "tofile", "from_file", "save", "load", "numpy", "cpp_extension", "hub", "package",
+                "compile", "_C", "_dynamo", "_inductor"}  # (files written or read, foreign code compiled or loaded)
+# parts of torch a learner file may not import: they write files, fetch or compile code
+_TORCH_NEVER = ("torch.utils.cpp_extension", "torch.hub", "torch.package", "torch._C", "torch._dynamo",
+                "torch._inductor", "torch.compiler", "torch.serialization", "torch.utils.data.datapipes",
+                "torch.distributed.checkpoint")
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "_all_gather_base",
@@ -202,7 +208,8 @@ def check_source(text: str, tasks, path: str = "") -> list[str]:
                 [node.module or ""] if node.level == 0 else ["exercises"]
             for mod in mods:
                 if not any(mod == m or mod.startswith(m + ".") for m in allowed) or mod.startswith(
-                        ("exercises.solutions", "tests")):
+                        ("exercises.solutions", "tests")) or any(mod == m or mod.startswith(m + ".")
+                                                                 for m in _TORCH_NEVER):
                     bad(node, f"`import {mod}`: not a module a learner file imports (those are torch, minifsdp, "
                               "exercises and some of the standard library: course_rules.IMPORTS)")
                 for r in rules:
@@ -210,7 +217,9 @@ def check_source(text: str, tasks, path: str = "") -> list[str]:
                         bad(node, f"`import {mod}`: rule of task {'/'.join(r.tasks)}: {r.why}")
             if isinstance(node, ast.ImportFrom):
                 for a in node.names:
-                    if a.name in _HATCHES:
+                    full = f"{node.module}.{a.name}"
+                    if a.name in _HATCHES or a.name in _ATTRS_NEVER or any(
+                            full == m or full.startswith(m + ".") for m in _TORCH_NEVER):
                         bad(node, f"`{a.name}`: learner code does not reach around Python ({a.name} is not allowed)")
                     for r in rules:
                         if a.name in r.names or (node.module in dist_aliases and a.name in r.dist_calls) or (
