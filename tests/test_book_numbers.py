@@ -505,6 +505,7 @@ NOT_MEASURED = {
         "4 ms": "a scheduler tick at Linux's common CONFIG_HZ=250 (a kernel setting)",
         "1 MB": "settings: the tuned ring's CARRY_BYTES and PIECE_BYTES (minifsdp/comm/tuned/)",
         "64 bytes": "a setting: the tuned ring's HEADER_BYTES (minifsdp/comm/tuned/header.py)",
+        "256 MiB": "a setting: bench scale's address-space cap per rank",
         "2.13": "torch's version (cell setup02 prints 2.13.0)",
     },
     "03_fsdp_in_practice.md": {
