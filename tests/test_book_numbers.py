@@ -610,6 +610,37 @@ def uncited_figures(chapter: str, chapter_text: str, notebooks: Path, root: Path
     return problems
 
 
+def slug(heading: str) -> str:
+    """A Markdown heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def appendix_problems(appendix: str, appendix_text: str, chapter_text: str) -> list[str]:
+    """Each part (``## `` heading) of an appendix that its chapter does not link, and each link from the chapter into
+    the appendix whose anchor is no heading there."""
+    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", appendix_text, re.M)}
+    parts = [slug(h) for h in re.findall(r"^## (.+)$", appendix_text, re.M)]
+    linked = set(re.findall(rf"\]\({re.escape(appendix)}#([\w-]+)\)", chapter_text))
+    return ([f"part #{a} is not linked from the chapter" for a in parts if a not in linked]
+            + [f"the chapter links #{a}, which is no heading of {appendix}" for a in sorted(linked - anchors)])
+
+
+@pytest.mark.parametrize("appendix", sorted(APPENDICES), ids=[a.removesuffix(".md") for a in sorted(APPENDICES)])
+def test_every_part_of_an_appendix_is_linked_from_its_chapter(appendix):
+    text = (ROOT / "chapters" / appendix).read_text()
+    chapter = (ROOT / "chapters" / APPENDICES[appendix]).read_text()
+    assert len(re.findall(r"^## ", text, re.M)) >= 5  # the parts were read
+    problems = appendix_problems(appendix, text, chapter)
+    assert not problems, f"{appendix} and {APPENDICES[appendix]}:\n" + "\n".join(problems)
+    # the check catches a part nobody links and a link to a part that is gone
+    first = re.search(r"^## (.+)$", text, re.M).group(1)
+    unlinked = chapter.replace(f"]({appendix}#{slug(first)})", "](elsewhere.md)")
+    assert f"part #{slug(first)} is not linked from the chapter" in appendix_problems(appendix, text, unlinked)
+    renamed = text.replace(f"## {first}\n", "## Renamed\n", 1)
+    assert f"the chapter links #{slug(first)}, which is no heading of {appendix}" in appendix_problems(
+        appendix, renamed, chapter)
+
+
 BOOK = sorted(COURSE) + sorted(APPENDICES)
 
 
