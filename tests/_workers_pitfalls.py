@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
@@ -236,12 +237,40 @@ def small_tensor_cases(rank: int, world: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ torch's checkpoint API on an FSDP1 model
+def _dcp_round_trip(model, opt, options) -> tuple[list, list]:
+    """torch's get_state_dict then set_state_dict: the value types and the optimizer state's keys."""
+    msd, osd = get_state_dict(model, opt, options=options)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    return sorted({type(v).__name__ for v in msd.values()}), sorted(osd["state"])
+
+
+def torch_dcp_cases(rank: int, world: int) -> dict:
+    """``torch.distributed.checkpoint.state_dict.get_state_dict`` (sharded and full) and ``set_state_dict`` on torch
+    FSDP1 (the value types it returns, or its error) and on ours (the error); and ours' own API still answers."""
+    out = {}
+    for side, wrap in (("torch", lambda m: TorchFSDP(m, **CPU)), ("ours", FSDP)):
+        torch.manual_seed(0)
+        model = wrap(MLP())
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _losses_around_a_step(model, opt, *_batch(rank, world))
+        for full in (False, True):
+            try:
+                out[side, full] = ("returned", *_dcp_round_trip(model, opt, StateDictOptions(full_state_dict=full)))
+            except Exception as e:  # noqa: BLE001 - the test reads the type and the message
+                out[side, full] = (type(e).__name__, str(e))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):  # ours' own API: a sharded dict
+        out["ours", "own"] = sorted({type(v).__name__ for v in model.state_dict().values()})
+    return out
+
+
 def pitfalls_worker() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     return {"optimizer": optimizer_cases(rank, world, mesh), "load": load_cases(rank, world),
             "hybrid": hybrid_cases(rank, world), "clip": clip_cases(rank, world),
-            "frozen": frozen_cases(rank, world), "small_tensor": small_tensor_cases(rank, world)}
+            "frozen": frozen_cases(rank, world), "small_tensor": small_tensor_cases(rank, world),
+            "dcp": torch_dcp_cases(rank, world)}
 
 
 def wrap_disagreement_worker() -> dict:

@@ -494,7 +494,6 @@ NOT_MEASURED = {
         "0 bytes": "torch's code resizes the freed storage to 0; test_a_dropped_model_is_freed asserts exactly 0",
         "1 MiB": "a question's given (a ring all-reduce of 1 MiB at N = 4)",
         "63 MiB": "worked: (N-1)·S at N = 64, S = 1 MiB", "64 MiB": "worked: 2·63/64 MiB",
-        "256 MiB": "a setting: bench scale's address-space cap per rank",
         "2.13": "torch's version (cell setup02 prints 2.13.0)",
     },
     "02_fsdp_core_deeper.md": {

@@ -155,3 +155,20 @@ def test_ranks_that_wrap_differently_are_named_not_hung():
     assert "rank 0: Linear with 2 parameters (544 elements" in msg and "rank 1: MLP with 6 parameters" in msg
     assert "same auto_wrap_policy on every rank" in msg
     assert all(o["agree_units"] == 3 and o["agree_warnings"] == [] for o in out)
+
+
+# ------------------------------------------------------------------ torch's checkpoint API on an FSDP1 model
+def test_torch_get_state_dict_on_ours_fsdp1_is_refused_with_the_api_to_use(facts):
+    """torch's get_state_dict/set_state_dict find FSDP1 by torch's class: on torch FSDP1 they round-trip (sharded:
+    ShardedTensor values; full: plain tensors; optimizer state by parameter name), on ours they would read a
+    plain module (whole values, state under _flat_param) — ours raises instead, naming the API that works."""
+    for rank in (0, 1):
+        dcp = facts[rank]["dcp"]
+        assert dcp["torch", False][0] == "returned" and dcp["torch", False][1] == ["ShardedTensor"], dcp
+        assert dcp["torch", True][0] == "returned" and dcp["torch", True][1] == ["Tensor"], dcp
+        assert all(k.endswith(("weight", "bias")) for k in dcp["torch", False][2]), dcp  # by the plain names
+        for full in (False, True):
+            kind, message = dcp["ours", full]
+            assert kind == "TypeError", dcp["ours", full]
+            assert "FSDP.state_dict_type" in message and "fully_shard" in message
+        assert dcp["ours", "own"] == ["DTensor"]  # ours' own SHARDED dict (DTensor: chapter 6's known entry)

@@ -229,7 +229,7 @@ def test_plan_table_text_and_plot(capsys, tmp_path):
     assert code == 0 and png.stat().st_size > 10_000
     rows = [line.split()[1] for line in out.splitlines() if line[:6].strip().isdigit()]
     assert rows.count("FULL_SHARD") == 3 and rows.count("HYBRID_SHARD") == 2  # HYBRID: several whole nodes only
-    assert "N = 8: does not fit" in out and "the smallest world size that fits is 32" in out
+    assert "N = 8: does not fit" in out and "the smallest world size that fits is 20" in out
     code, out, _ = _cli(capsys, "--model", "tiny", "--world-size", "2", "--gpu", "a100")
     assert code == 0 and "peak" in out and "advice:" in out and "A100" in out
 
@@ -238,12 +238,12 @@ def test_plan_table_text_and_plot(capsys, tmp_path):
     (["--model", "llama-7b", "--world-size", "12", "--strategy", "HYBRID_SHARD"], "not a multiple of 8"),
     (["--model", "llama-8b"], "known presets: tiny"),
     (["--model", "llama-70b", "--world-size", "8", "--precision", "bf16", "--activation-checkpointing", "--json"],
-     "the smallest world size that fits is 32"),
+     "the smallest world size that fits is 20"),
     (["--model", "llama-70b", "--batch", "64", "--json"], "does not fit at any world size"),
     (["--layers", "32"], "--layers and --hidden"),
     (["--model", "gpt2", "--world-size", "8,x"], "--world-size takes whole numbers"),
-    (["--model", "gpt2", "--strategy", "ZERO_4"], "unknown strategy"),
-    (["--model", "gpt2", "--gpu", "v100"], "unknown --gpu"),
+    (["--model", "gpt2", "--strategy", "ZERO_4"], "unknown --strategy"),
+    (["--model", "gpt2", "--gpu", "tpu"], "unknown --gpu"),
     (["--model", "gpt2", "--link-gbps", "400"], "two speeds"),
     (["--model", "gpt2", "--seq", "2048"], "positions for 1024 tokens"),
 ])

@@ -238,6 +238,7 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The state dict of the type set by ``FSDP.state_dict_type`` (torch's default: FULL, every rank)."""
+        pitfalls.check_not_torch_dcp()
         sd = sd_type.typed_state_dict(self)
         if destination is None and not prefix:
             return sd
@@ -247,6 +248,7 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a state dict of the type set by ``FSDP.state_dict_type``; each rank keeps its shard."""
+        pitfalls.check_not_torch_dcp()
         return sd_type.load_typed_state_dict(self, state_dict, strict=strict)
 
     state_dict_type = staticmethod(sd_type.state_dict_type)

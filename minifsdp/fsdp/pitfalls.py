@@ -11,6 +11,10 @@ Each check is one function, called from one line of the class users import (chap
     warn_hybrid_shard_of_one       called at each unit's ``__init__``.
                                    torch FSDP1: turns HYBRID_SHARD into NO_SHARD over the 1-rank shard group,
                                    so the replicas never synchronise.
+    check_not_torch_dcp            called by ``state_dict`` and ``load_state_dict`` of the class users import.
+                                   torch's ``get_state_dict`` / ``set_state_dict`` know FSDP1 only by torch's
+                                   class: on ours they see a plain module (whole values where sharded ones were
+                                   asked, optimizer state under ``_flat_param``, a full load refused).
 
 Why the first one works where the collectives themselves hang: ranks that wrap differently issue
 collectives of different sizes, or a different number of them, and a collective cannot tell that
@@ -31,6 +35,7 @@ Note (cost): one all-reduce of two int64 numbers per unit and group, at wrap tim
 from __future__ import annotations
 
 import hashlib
+import sys
 import warnings
 
 import torch
@@ -132,3 +137,24 @@ def warn_hybrid_shard_of_one(unit: nn.Module) -> None:
         "algorithm). torch's FSDP1 also switches to NO_SHARD here but reduces over the 1-rank shard group, so "
         "its replicas never synchronise: on torch, ask for NO_SHARD (or FULL_SHARD) over all ranks instead.",
         stacklevel=3)
+
+
+_TORCH_DCP = "torch.distributed.checkpoint.state_dict"
+
+
+def check_not_torch_dcp() -> None:
+    """Raise if torch's ``get_state_dict`` / ``set_state_dict`` is the caller (a walk up the Python stack: a state
+    dict is rare, the walk costs microseconds).  Those functions find FSDP1 units with torch's own class
+    (``FSDP.fsdp_modules``, ``isinstance(..., FSDP)``), so ours would be read as a plain module: silently the
+    wrong dict, not an error, without this check."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == _TORCH_DCP:
+            raise TypeError(
+                "torch.distributed.checkpoint.state_dict's get_state_dict/set_state_dict recognise FSDP1 by torch's "
+                "class and would treat minifsdp's FullyShardedDataParallel as a plain module (whole tensors for a "
+                "sharded dict, optimizer state keyed by _flat_param). Use ours' FSDP1 API, as torch FSDP1 users did "
+                "before it: `with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT): model.state_dict()` "
+                "and `FSDP.optim_state_dict(model, optim)` (then torch.distributed.checkpoint.save), or use "
+                "minifsdp's fully_shard (FSDP2), which get_state_dict supports.")
+        frame = frame.f_back

@@ -32,6 +32,7 @@ One step of FULL_SHARD with BACKWARD_PRE, the moments ``moments`` evaluates (uni
     forward    gather root | gather b0, run, free | ... | head + loss     activations pile up
     backward   loss grads  <- root and b(L-1) gathered, every activation alive: usually the peak
                b(L-1) .. b0: gather the next (prefetch), gradient whole, reduce-scatter, free
+               (reduce dtype wider than the compute's, e.g. fp32 under bf16: free, cast the gradient, reduce)
     optimizer  every gradient shard alive, plus foreach AdamW's one temporary (sqrt of v)
 """
 
@@ -40,7 +41,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minifsdp.comm.ring import chunk_bounds
 from minifsdp.memory.plan_shapes import ModelShape
 
 __all__ = ["Run", "Collective", "STRATEGIES", "model_state", "collectives", "bytes_sent", "moments", "peak",
@@ -48,6 +48,9 @@ __all__ = ["Run", "Collective", "STRATEGIES", "model_state", "collectives", "byt
 
 STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
 LOW_PRECISION = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of the gathered parameters, activations, reductions
+# bytes per parameter of the model state (fp32 parameter + fp32 gradient + the optimizer's state), and why
+OPTIMIZERS = {"adamw": (16, "AdamW: 4 (parameter) + 4 (gradient) + 8 (m and v), and a 4-byte step per tensor"),
+              "sgd": (12, "SGD with momentum: 4 (parameter) + 4 (gradient) + 4 (momentum buffer)")}
 DDP_BUCKET_BYTES = 25 * 2**20  # bucket_cap_mb=25, torch's default and ours
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "ddp_buckets", "unsharded_parameters",
               "unsharded_gradients", "activations", "temporaries")
@@ -55,11 +58,13 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "ddp_buck
 
 @dataclass(frozen=True)
 class Run:
-    """How the model is trained: ranks, strategy, precision, optimizer, batch per rank, wrapping."""
+    """How the model is trained: ranks, strategy, precision and reduce dtype, optimizer, batch per rank, wrapping.
+    Names are case-insensitive ("BF16", "full_shard")."""
 
     world_size: int
     strategy: str = "FULL_SHARD"
     precision: str = "fp32"  # fp32 | bf16 | fp16: MixedPrecision(param_dtype=reduce_dtype=that), fp32 master
+    reduce_dtype: str = ""  # the gradients' reduction dtype (MixedPrecision's reduce_dtype); "": the precision's
     optimizer: str = "adamw"  # adamw | sgd (with momentum)
     batch: int = 1  # sequences per rank
     seq: int = 0  # tokens per sequence; 0: the model's context length
@@ -73,13 +78,17 @@ class Run:
         object.__setattr__(self, "strategy", str(self.strategy).upper().replace("SHARDINGSTRATEGY.", ""))
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}.")
-        if self.precision not in LOW_PRECISION:
-            raise ValueError(f"unknown precision {self.precision!r}; use fp32, bf16 or fp16.")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; use adamw or sgd.")
+        for field in ("precision", "reduce_dtype", "optimizer"):  # names are case-insensitive
+            object.__setattr__(self, field, str(getattr(self, field)).lower())
+        object.__setattr__(self, "reduce_dtype", self.reduce_dtype or self.precision)
+        if self.precision not in LOW_PRECISION or self.reduce_dtype not in LOW_PRECISION:
+            raise ValueError(f"unknown precision {self.precision!r} or reduce dtype {self.reduce_dtype!r}; use "
+                             f"fp32, bf16 or fp16.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use {' or '.join(OPTIMIZERS)}.")
         if min(self.world_size, self.batch, self.gpus_per_node) < 1 or self.seq < 0:
-            raise ValueError(f"world size, batch and GPUs per node must be positive, got {self.world_size}, "
-                             f"{self.batch}, {self.gpus_per_node}.")
+            raise ValueError(f"world size, batch and GPUs per node must be positive and seq at least 0, got "
+                             f"{self.world_size}, {self.batch}, {self.gpus_per_node} and {self.seq}.")
         if self.strategy == "HYBRID_SHARD" and self.world_size % self.gpus_per_node:
             raise ValueError(f"HYBRID_SHARD shards inside a node: world size {self.world_size} is not a multiple "
                              f"of {self.gpus_per_node} GPUs per node; use a multiple of it, or --gpus-per-node "
@@ -100,6 +109,11 @@ class Run:
     def low_bytes(self) -> int:
         return LOW_PRECISION[self.precision]
 
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of one gradient element on the wire: the reduce dtype's (FSDP); DDP's gradients stay fp32."""
+        return LOW_PRECISION[self.reduce_dtype] if self.fsdp else 4
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -119,8 +133,14 @@ def ring_all_reduce_sent(numel: int, n: int, rank: int, itemsize: int) -> int:
     in the reduce-scatter, every chunk but the next rank's in the all-gather (``minifsdp.comm.ring``)."""
     if n == 1:
         return 0
-    sizes = [b - a for a, b in chunk_bounds(numel, n)]
-    return (2 * numel - sizes[rank % n] - sizes[(rank + 1) % n]) * itemsize
+    return (2 * numel - _chunk(numel, n, rank % n) - _chunk(numel, n, (rank + 1) % n)) * itemsize
+
+
+def _chunk(numel: int, n: int, i: int) -> int:
+    """Elements of chunk ``i`` of ``chunk_bounds(numel, n)`` (the first ``numel % n`` are one longer), in closed
+    form: a plan at a billion ranks costs what one at eight does."""
+    base, extra = divmod(numel, n)
+    return base + (1 if i < extra else 0)
 
 
 def _ddp_buckets(shape: ModelShape) -> list[int]:
@@ -168,7 +188,7 @@ def _buffer_bytes(shape: ModelShape) -> int:
 
 def collectives(shape: ModelShape, run: Run, rank: int = 0) -> list[Collective]:
     """Every collective one step issues, in order, with the bytes ``rank`` sends (our ring's, exactly)."""
-    n, g, low = run.world_size, run.shard_size, run.low_bytes
+    n, g, low, red = run.world_size, run.shard_size, run.low_bytes, run.reduce_bytes
     if n == 1:
         return []
     whole = n <= run.gpus_per_node  # all ranks inside one node
@@ -177,7 +197,7 @@ def collectives(shape: ModelShape, run: Run, rank: int = 0) -> list[Collective]:
                 for i, b in enumerate(_ddp_buckets(shape))]
     units = shape.unit_numels(run.wrap)
     if run.strategy == "NO_SHARD":
-        return [Collective("all-reduce", "backward", i, u, n, ring_all_reduce_sent(u, n, rank, low), not whole)
+        return [Collective("all-reduce", "backward", i, u, n, ring_all_reduce_sent(u, n, rank, red), not whole)
                 for i, u in reversed(list(enumerate(units)))]
     inside = g <= run.gpus_per_node
     out = [Collective("all-gather", "forward", i, s * g, g, s * (g - 1) * low, not inside)
@@ -186,10 +206,10 @@ def collectives(shape: ModelShape, run: Run, rank: int = 0) -> list[Collective]:
     for i, s in reversed(list(enumerate(_shards(shape, run)))):
         if run.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not (root and i == 0):  # freed after forward
             out.append(Collective("all-gather", "backward", i, s * g, g, s * (g - 1) * low, not inside))
-        out.append(Collective("reduce-scatter", "backward", i, s * g, g, s * (g - 1) * low, not inside))
+        out.append(Collective("reduce-scatter", "backward", i, s * g, g, s * (g - 1) * red, not inside))
         if run.strategy == "HYBRID_SHARD" and n > g:  # the shard's gradient, summed across the nodes
             out.append(Collective("all-reduce", "backward", i, s, n // g,
-                                  ring_all_reduce_sent(s, n // g, rank // g, low), True))
+                                  ring_all_reduce_sent(s, n // g, rank // g, red), True))
     return out
 
 
@@ -271,6 +291,11 @@ def moments(shape: ModelShape, run: Run) -> list[tuple[str, dict[str, int]]]:
                           grads=grads_done + (0 if run.fsdp else 4 * units[i]), gathered_units=held + [i] + nxt,
                           unsharded_grads=pieces * units[i] * grad_bytes if run.fsdp else 0,
                           acts=before + recompute, temporaries=flows * flow))
+        if run.fsdp and run.world_size > 1 and run.reduce_bytes != grad_bytes:  # torch frees the unit, casts its grad
+            out.append(moment(f"backward, {name(i)}, its gradient cast to {run.reduce_dtype} for the reduction",
+                              grads=grads_done, gathered_units=[u for u in held + nxt if u != i],
+                              unsharded_grads=units[i] * grad_bytes + shards[i] * g * run.reduce_bytes,
+                              acts=before, temporaries=flows * flow + shards[i] * run.reduce_bytes))
         grads_done += 4 * (shards[i] if run.fsdp else units[i])
         acts = before
         held = [u for u in held if u != i]

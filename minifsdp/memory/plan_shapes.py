@@ -53,6 +53,8 @@ class ModelShape:
     seq: int = 0
     ffn: int = 0  # the MLP's inner width (gpt: 4 x hidden)
     kv_heads: int = 0  # llama's grouped-query attention (0: as many as heads)
+    tied: bool = False  # llama: the head shares the embedding's weight (Llama 3.2 1B, Qwen2 0.5B); gpt: always
+    qkv_bias: bool = False  # llama: biases on q, k, v (Qwen2's)
     dims: tuple[int, ...] = ()  # mlp: (in, hidden..., out)
     source: str = ""
 
@@ -89,12 +91,16 @@ class ModelShape:
         if self.arch == "gpt":  # ln1, qkv, proj, ln2, fc1, fc2: weight and bias each
             return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
         kv = h * self.kv_width  # llama: q, k, v, o, gate, up, down (no biases), the two RMSNorm weights
+        if self.qkv_bias:  # Qwen2: each of q, k, v followed by its bias
+            return [h * h, h, kv, self.kv_width, kv, self.kv_width, h * h, f * h, f * h, h * f, h, h]
         return [h * h, kv, kv, h * h, f * h, f * h, h * f, h, h]
 
     def _root_tensors(self) -> list[int]:
         h = self.hidden
         if self.arch == "gpt":  # tok_emb, pos_emb, ln_f weight and bias; the head is tied to tok_emb
             return [self.vocab * h, self.seq * h, h, h]
+        if self.tied:  # llama with tie_word_embeddings: lm_head is embed_tokens, counted once
+            return [self.vocab * h, h]
         return [self.vocab * h, h, self.vocab * h]  # llama: embed_tokens, norm, lm_head (untied)
 
     def block_numel(self) -> int:
@@ -205,11 +211,21 @@ class ModelShape:
         if self.arch == "mlp":
             units = [6.0 * a * b * batch for a, b in zip(self.dims[:-1], self.dims[1:])]
         else:
-            h, f, tokens = self.hidden, self.inner, batch * seq
-            weights = 4 * h * h + 2 * h * f if self.arch == "gpt" else 2 * h * h + 2 * h * self.kv_width + 3 * h * f
-            block = 6.0 * weights * tokens + 12.0 * h * seq * tokens
+            h, tokens = self.hidden, batch * seq
+            block = 6.0 * self._block_matmul_weights() * tokens + 12.0 * h * seq * tokens
             units = [6.0 * self.vocab * h * tokens] + [block] * self.layers  # the root: its head
         return units if wrap == "layer" else [sum(units)]
+
+    def _block_matmul_weights(self) -> int:
+        h, f = self.hidden, self.inner
+        return 4 * h * h + 2 * h * f if self.arch == "gpt" else 2 * h * h + 2 * h * self.kv_width + 3 * h * f
+
+    def matmul_params(self) -> int:
+        """Weights that multiply every token (the blocks' matrices and the head; an MLP: its Linears): the
+        parameters the 6-FLOPs-per-token rule counts.  Embeddings, norms and biases are left out."""
+        if self.arch == "mlp":
+            return sum(a * b for a, b in zip(self.dims[:-1], self.dims[1:]))
+        return self.layers * self._block_matmul_weights() + self.vocab * self.hidden
 
     def matmul_flops(self, batch: int, seq: int) -> float:
         """Floating-point operations of one training step (forward + backward) on ``batch`` sequences."""
@@ -242,23 +258,30 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def preset(name: str) -> ModelShape:
-    """A preset by name; an unknown one is an error that lists the known ones."""
-    if name not in PRESETS:
+    """A preset by name, case ignored ("LLAMA-7B"); an unknown one is an error that lists the known ones."""
+    if str(name).lower() not in PRESETS:
         raise ValueError(f"unknown model {name!r}; known presets: {', '.join(PRESETS)} (or give a shape: "
                          f"--layers, --hidden, --vocab, --heads)")
-    return PRESETS[name]
+    return PRESETS[str(name).lower()]
 
 
 def shape_from_args(layers: int, hidden: int, vocab: int = 32000, heads: int | None = None, seq: int = 4096,
-                    params: float | None = None, arch: str = "llama", ffn: int | None = None) -> ModelShape:
+                    params: float | None = None, arch: str = "llama", ffn: int | None = None,
+                    kv_heads: int | None = None, tied: bool = False) -> ModelShape:
     """A model from its shape.  ``heads``: default one per 128 of width.  ``ffn``: llama's 8/3 x hidden
-    rounded up to 256 (as Llama's), gpt's 4 x hidden.  With ``params``, the MLP's width is set so that the
-    whole model has about that many parameters (the shape fixes everything else)."""
+    rounded up to 256 (as Llama's), gpt's 4 x hidden.  ``kv_heads``: grouped-query attention (llama; default
+    as many as ``heads``).  With ``params`` (and no ``ffn``), the MLP's width is set so that the whole model has
+    about that many parameters (the shape fixes everything else)."""
+    if params is not None and ffn is not None:
+        raise ValueError("give --params or --ffn, not both: --params sets the MLP's width (--ffn)")
+    if kv_heads and arch != "llama":
+        raise ValueError("--kv-heads is grouped-query attention, a llama shape's; gpt has one key and value per head")
     heads = heads or max(1, hidden // 128)
     if arch == "llama" and ffn is None:
         ffn = -(-int(8 * hidden / 3) // 256) * 256
     shape = ModelShape("custom", arch, hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq,
-                       ffn=ffn or 0, source="a shape given on the command line")
+                       ffn=ffn or 0, kv_heads=kv_heads or 0, tied=tied and arch == "llama",
+                       source="a shape given on the command line")
     if params is None:
         return shape
     per_block = (params - shape.root_numel()) / layers

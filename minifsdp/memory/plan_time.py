@@ -12,10 +12,15 @@ FSDP hides its network time only if each unit's collectives travel while another
 unit's all-gather behind this unit's forward, and in the backward the next all-gather plus this unit's
 reduce-scatter behind its backward.  :func:`overlap` compares the two for one block.
 
-Note (published peaks, not measurements): the FLOP/s and link speeds below are NVIDIA's published figures
-(:data:`GPUS`, each with its source); real kernels reach a fraction of them, and every message also pays a
-latency (a ring pays it N - 1 times per collective) that this bound leaves out.  So a real step is slower;
-a plan whose lower bound is already too slow will not be saved by tuning.
+Note (published peaks, not measurements): the FLOP/s and link speeds are the vendors' published figures
+(:data:`GPUS`, in :mod:`minifsdp.memory.gpus`, each with its source); real kernels reach a fraction of them,
+and every message also pays a latency (a ring pays it N - 1 times per collective) that this bound leaves out.
+So a real step is slower; a plan whose lower bound is already too slow will not be saved by tuning.
+:func:`assumptions` says all of this beside every plan, with the FLOP count it used.
+
+Note (advice in numbers): when no strategy fits, :func:`advise` names the changes that would, each found by
+doubling then bisection on the plan itself (the peak grows with batch and sequence and falls with N):
+checkpointing alone and its peak, the largest batch (or sequence), the smallest world size of any size.
 
 Note (what "fits" means): the predicted peak at most ``USABLE`` (90%) of the card's published memory.  The
 other 10% is an allowance, not a measurement, for what no tensor shows: the CUDA context, NCCL's buffers,
@@ -25,57 +30,15 @@ the caching allocator's fragmentation.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
+from minifsdp.memory.gpus import GPU, GPUS, with_links
 from minifsdp.memory.plan import STRATEGIES, Run, bytes_sent, collectives, model_state, peak
 from minifsdp.memory.plan_shapes import ModelShape
 
-__all__ = ["GPU", "GPUS", "USABLE", "step_time", "overlap", "fits", "advise", "report", "smallest_world_that_fits"]
+__all__ = ["GPU", "GPUS", "USABLE", "with_links", "step_time", "overlap", "fits", "advise", "assumptions", "report",
+           "smallest_world_that_fits", "largest_that_fits"]
 
 USABLE = 0.9
-
-
-@dataclass(frozen=True)
-class GPU:
-    """A GPU's published figures: memory (bytes), dense peak FLOP/s, link speeds per GPU and direction (bit/s)."""
-
-    name: str
-    memory: float
-    fp32_flops: float
-    bf16_flops: float
-    intra_node_bps: float  # NVLink, per direction (the datasheet's figure is both directions added)
-    inter_node_bps: float  # the node's InfiniBand ports divided among its GPUs
-    source: str
-
-    def flops(self, precision: str) -> float:
-        return self.fp32_flops if precision == "fp32" else self.bf16_flops
-
-
-GPUS = {
-    "h100": GPU("NVIDIA H100 SXM5 80GB", 80e9, 67e12, 989e12, 3600e9, 400e9,
-                "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB, FP32 67 TFLOPS, BF16/FP16 Tensor Core 1,979 "
-                "TFLOPS with sparsity (989 dense), NVLink 900 GB/s (450 GB/s each way); NVIDIA DGX H100 user "
-                "guide: 8x ConnectX-7 400 Gb/s InfiniBand, one per GPU"),
-    "a100": GPU("NVIDIA A100 SXM4 80GB", 80e9, 19.5e12, 312e12, 2400e9, 200e9,
-                "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16/FP16 Tensor Core 312 "
-                "TFLOPS dense (624 with sparsity), NVLink 600 GB/s (300 GB/s each way); NVIDIA DGX A100 user "
-                "guide: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU"),
-    "h200": GPU("NVIDIA H200 SXM 141GB", 141e9, 67e12, 989e12, 3600e9, 400e9,
-                "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB, FP32 67 TFLOPS, BF16/FP16 Tensor Core "
-                "1,979 TFLOPS with sparsity (989 dense), NVLink 900 GB/s (450 GB/s each way); NVIDIA DGX H200: "
-                "8x ConnectX-7 400 Gb/s, one per GPU"),
-}
-
-
-def with_links(gpu: GPU, intra_gbps: float | None = None, inter_gbps: float | None = None) -> GPU:
-    """``gpu`` with other link speeds (Gbit/s per GPU, each way), e.g. a cluster on slower Ethernet."""
-    for v in (intra_gbps, inter_gbps):
-        if v is not None and v <= 0:
-            raise ValueError(f"link speeds must be positive Gbit/s, got {v}.")
-    return dataclasses.replace(gpu, intra_node_bps=intra_gbps * 1e9 if intra_gbps else gpu.intra_node_bps,
-                               inter_node_bps=inter_gbps * 1e9 if inter_gbps else gpu.inter_node_bps,
-                               source=gpu.source + ("; link speeds given by the user" if intra_gbps or inter_gbps
-                                                    else ""))
 
 
 def _flops(shape: ModelShape, run: Run) -> float:
@@ -128,37 +91,118 @@ def _candidates(run: Run) -> list[Run]:
     return out
 
 
-def smallest_world_that_fits(shape: ModelShape, run: Run, gpu: GPU, largest: int = 2**20) -> int | None:
-    """The fewest ranks, a power of two, at which FULL_SHARD fits (None: none up to ``largest``)."""
+def _first_true(test, lo: int, hi: int) -> int:
+    """The smallest k in (lo, hi] with ``test(k)``, given ``test(hi)`` and not ``test(lo)`` (bisection)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if test(mid) else (mid, hi)
+    return hi
+
+
+def smallest_world_that_fits(shape: ModelShape, run: Run, gpu: GPU, largest: int = 2**40) -> int | None:
+    """The fewest ranks, any whole number, at which FULL_SHARD fits (None: none up to ``largest``): doubling to
+    the first power of two that fits, then bisecting below it.  The peak falls as N grows except for a unit's
+    padding (a few bytes), so the answer fits and the world size one below it does not."""
+    def ok(n):
+        return fits(shape, dataclasses.replace(run, world_size=n, strategy="FULL_SHARD"), gpu)
+
     n = 1
-    while n <= largest:
-        if fits(shape, dataclasses.replace(run, world_size=n, strategy="FULL_SHARD"), gpu):
-            return n
+    while n <= largest and not ok(n):
         n *= 2
-    return None
+    if n > largest:
+        return None
+    return n if n == 1 else _first_true(ok, n // 2, n)
+
+
+def largest_that_fits(shape: ModelShape, run: Run, gpu: GPU, field: str = "batch", largest: int = 2**30) -> \
+        tuple[int, str]:
+    """(the largest ``batch`` or ``seq`` at which some strategy fits at this world size, that strategy, the
+    fastest of those that reach it); (0, "") when even 1 does not.  The peak grows with both: doubling, then
+    bisection."""
+    best = (0, 0.0, "")
+    for r in _candidates(run):
+        def ok(v, r=r):
+            return fits(shape, dataclasses.replace(r, **{field: v}), gpu)
+
+        if not ok(1):
+            continue
+        lo, hi = 1, 2
+        while hi < largest and ok(hi):
+            lo, hi = hi, 2 * hi
+        hi = min(hi, largest)
+        v = hi if ok(hi) else _first_true(lambda k: not ok(k), lo, hi) - 1
+        best = max(best, (v, -step_time(shape, dataclasses.replace(r, **{field: v}), gpu)["lower_bound_s"],
+                          r.strategy))
+    return best[0], best[2]
+
+
+def _fits_somehow(shape: ModelShape, run: Run, gpu: GPU) -> tuple[float, str] | None:
+    """(the least peak among the strategies that fit, its strategy), or None."""
+    ok = [(peak(shape, r)[0], r.strategy) for r in _candidates(run) if fits(shape, r, gpu)]
+    return min(ok) if ok else None
 
 
 def advise(shape: ModelShape, run: Run, gpu: GPU) -> str:
-    """One line: the fastest strategy (by the lower bound, then bytes sent) whose peak fits, at this world size."""
+    """One line: the fastest strategy (by the lower bound, then bytes sent) whose peak fits, at this world size;
+    when none fits, the changes that would, with numbers: checkpointing alone, the largest batch (or sequence),
+    the smallest world size."""
     usable = USABLE * gpu.memory
+    card = gpu.name.split()[1]
     options = [(step_time(shape, r, gpu)["lower_bound_s"], bytes_sent(shape, r), r) for r in _candidates(run)
                if fits(shape, r, gpu)]
     if options:
         _, _, best = min(options, key=lambda o: (o[0], o[1]))
         p = peak(shape, best)[0]
-        return (f"{best.strategy} is the fastest strategy that fits {run.world_size} x {gpu.name.split()[1]}: peak "
+        return (f"{best.strategy} is the fastest strategy that fits {run.world_size} x {card}: peak "
                 f"{p / 1e9:.1f} GB of {usable / 1e9:.0f} GB usable, step >= "
                 f"{step_time(shape, best, gpu)['lower_bound_s']:.3g} s")
-    n = smallest_world_that_fits(shape, run, gpu)
     least = peak(shape, dataclasses.replace(run, strategy="FULL_SHARD"))[0]
+    changes = []
+    if not run.activation_checkpointing:
+        ckpt = _fits_somehow(shape, dataclasses.replace(run, activation_checkpointing=True), gpu)
+        if ckpt:
+            changes.append(f"--activation-checkpointing alone fits ({ckpt[1]}, peak {ckpt[0] / 1e9:.1f} GB)")
+    batch, strategy = largest_that_fits(shape, run, gpu, "batch")
+    if batch:
+        changes.append(f"the largest --batch that fits is {batch} ({strategy})")
+    else:
+        seq, strategy = largest_that_fits(shape, dataclasses.replace(run, batch=1), gpu, "seq", run.seq or shape.seq)
+        changes.append(f"--batch 1 --seq {seq} fits ({strategy})" if seq else
+                       f"at {run.world_size} ranks not even one token per GPU fits")
+    n = smallest_world_that_fits(shape, run, gpu)
     if n is None:
-        acts = "" if run.activation_checkpointing else " or --activation-checkpointing"
+        if not run.activation_checkpointing:
+            m = smallest_world_that_fits(shape, dataclasses.replace(run, activation_checkpointing=True), gpu)
+            if m is not None:
+                changes.append(f"with --activation-checkpointing the smallest world size that fits is {m} "
+                               f"(FULL_SHARD)")
         return (f"does not fit at any world size: FULL_SHARD needs {least / 1e9:.1f} GB per rank here, and "
                 f"what stays on each rank (activations, one gathered unit) alone is over {usable / 1e9:.0f} GB; "
-                f"lower --batch or --seq{acts}")
-    return (f"does not fit {run.world_size} x {gpu.name.split()[1]} with any strategy (FULL_SHARD needs "
-            f"{least / 1e9:.1f} GB of {usable / 1e9:.0f} GB usable); the smallest world size that fits is {n} "
-            f"(FULL_SHARD)")
+                + "; ".join(changes))
+    return (f"does not fit {run.world_size} x {card} with any strategy (FULL_SHARD needs {least / 1e9:.1f} GB "
+            f"of {usable / 1e9:.0f} GB usable); the smallest world size that fits is {n} (FULL_SHARD); "
+            + "; ".join(changes))
+
+
+def assumptions(shape: ModelShape, run: Run, gpu: GPU) -> dict:
+    """What the time bound assumes, to print beside it: the FLOP count and its formula, the peak rates, the
+    overlap, the latency left out, what "fits" allows."""
+    mlp = shape.arch == "mlp"  # an MLP's "tokens" are its samples, and it has no attention
+    tokens = run.batch * (1 if mlp else run.seq or shape.seq)
+    flops = _flops(shape, run)
+    return {
+        "flops_per_step": flops, "flops_per_token": flops / tokens, "tokens_per_step_per_gpu": tokens,
+        "matmul_parameters": shape.matmul_params(),
+        "flops_formula": ("6 x matmul parameters x samples" if mlp else
+                          "6 x matmul parameters x tokens + 12 x layers x seq x hidden x tokens (attention)")
+                         + (", x 4/3 (activation checkpointing: the forward again)" if run.activation_checkpointing
+                            else ""),
+        "peak_flops": gpu.flops(run.precision), "peak_flops_dtype": run.precision,
+        "intra_node_bits_per_s": gpu.intra_node_bps, "inter_node_bits_per_s": gpu.inter_node_bps,
+        "overlap": "perfect: step >= max(compute, network), compute and communication fully overlapped",
+        "latency_s": 0.0, "latency": "left out (each ring step also pays a message latency, N - 1 per collective)",
+        "usable_memory_fraction": USABLE,
+    }
 
 
 def report(shape: ModelShape, run: Run, gpu: GPU) -> dict:
@@ -187,4 +231,5 @@ def report(shape: ModelShape, run: Run, gpu: GPU) -> dict:
         "compute_s": time["compute_s"], "network_s": time["network_s"],
         "step_time_lower_bound_s": time["lower_bound_s"], "overlap": overlap(shape, run, gpu),
         "fits": top <= USABLE * gpu.memory, "advice": advise(shape, run, gpu),
+        "assumptions": assumptions(shape, run, gpu),
     }

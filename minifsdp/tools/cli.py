@@ -86,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--link-ms", type=float, default=0.0,
                          help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
 
-    p_plan = sub.add_parser("plan", help="will it fit: memory, bytes and time per GPU at real scale, before a run")
+    from minifsdp.tools.plan_cli import PARSER_OPTIONS as PLAN_OPTIONS
     from minifsdp.tools.plan_cli import add_arguments as add_plan_arguments
+
+    p_plan = sub.add_parser("plan", help="will it fit: memory, bytes and time per GPU at real scale, before a run",
+                            **PLAN_OPTIONS)
 
     add_plan_arguments(p_plan)
 

@@ -292,6 +292,16 @@ FAULTS = [
         why="the chapter's 2-rank spawn: the warning must appear once, beside torch FSDP1's replicas drifting apart",
     ),
     Fault(
+        name="torch_dcp_check_reads_only_its_caller",
+        plants="the check for torch's get_state_dict looks at the frame that called it (ours' state_dict) and stops, "
+               "never reaching torch's checkpoint module further up, so torch's API reads ours as a plain module",
+        target="minifsdp.fsdp.pitfalls:check_not_torch_dcp",
+        old="        frame = frame.f_back",
+        new="        frame = None",
+        test="tests/test_pitfalls.py::test_torch_get_state_dict_on_ours_fsdp1_is_refused_with_the_api_to_use",
+        why="the chapter's 2-rank spawn: torch's get_state_dict must raise on ours, naming the API to use",
+    ),
+    Fault(
         name="fsdp2_optimizer_check_skips_gradless",
         plants="the FSDP2 optimizer check only looks at parameters that have a gradient, and an unsharded parameter "
                "never has one at the step, so an optimizer built after a forward steps it unnamed",
@@ -341,6 +351,17 @@ FAULTS = [
         new='if run.strategy in ("FULL_SHARD", "HYBRID_SHARD"):',
         test="tests/test_plan_real_scale.py::test_llama_7b_at_64_ranks_against_the_formulas",
         why="one process: llama-7b at 64 ranks sends 3 x 4P(N-1)/N less one all-gather of its 262M-number root",
+    ),
+    Fault(
+        name="plan_link_speed_in_bytes",
+        plants="the plan divides bytes by a link speed in bits per second (the factor 8 forgotten): every network "
+               "time 8x too short",
+        target="minifsdp.memory.plan_time:_seconds",
+        old="return 8 * c.bytes_sent / (gpu.inter_node_bps if c.across_nodes else gpu.intra_node_bps)",
+        new="return c.bytes_sent / (gpu.inter_node_bps if c.across_nodes else gpu.intra_node_bps)",
+        test="tests/test_plan_worked_example.py::test_network_and_compute_time_are_the_hand_worked_values[8]",
+        why="one process: chapter 2.3 works Llama 2 7B's network time at 8 H100s by hand, 34,917,922,816 bytes x 8 "
+            "bits at 3,600 Gbit/s = 0.0776 s; ratios of network times, all 8x off, would not notice",
     ),
     # ------------------------------------------------------------------ the ring (chapter 2.2)
     Fault(
