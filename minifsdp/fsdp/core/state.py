@@ -32,7 +32,7 @@ One non-root FULL_SHARD unit through a synced step, its three states side by sid
     post-backward     POST_BACKWARD       SHARDED                     REDUCING (a GPU's: until the next
     final callback    IDLE                SHARDED                     SHARD     post-backward, or the end)
 
-On a CPU the post-backward hook waits for its own reduction: REDUCING never outlives the hook (``fsdp.py``).
+On a CPU the post-backward hook waits for its own reduction: REDUCING never outlives the hook (``gradient.py``).
 torch (``_common_utils.py``) splits the first into ``TrainingState`` per FSDP instance (IDLE,
 FORWARD_BACKWARD, SUMMON_FULL_PARAMS) and ``HandleTrainingState`` per handle (IDLE, FORWARD, BACKWARD_PRE,
 BACKWARD_POST, SUMMON_FULL_PARAMS); its handle is IDLE again between forward and backward, where ours says
