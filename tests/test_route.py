@@ -6,7 +6,9 @@ the numbers it prints must be the route's own.  Exact; no tolerance.
 """
 
 import importlib
+import re
 import sys
+from pathlib import Path
 
 from minifsdp.tools.route import Route, step_route, trace
 
@@ -57,3 +59,7 @@ def test_the_step_route_prints_its_own_count():
               "FullyShardedDataParallel._pre_backward_hook", "FullyShardedDataParallel._post_backward_hook",
               "FullyShardedDataParallel._post_backward_final_callback"]
     assert [names.index(p) for p in phases] == sorted(names.index(p) for p in phases)
+    # chapter 2's reading guide quotes the count: it stays the tool's
+    chapter = (Path(__file__).resolve().parents[1] / "chapters" / "02_fsdp_core.md").read_text()
+    quoted = re.findall(r"`python -m minifsdp route` prints the route.*?: (\d+) file switches", chapter, re.S)
+    assert quoted == [str(route.switches)], (quoted, route.switches)

@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from minifsdp.comm.devices import collective_device
 from minifsdp.fsdp.core.flat_param import unflatten
-from minifsdp.fsdp.core.state import HandleState, TrainingState
+from minifsdp.fsdp.core.fsdp import TrainingState
+from minifsdp.fsdp.core.handle import HandleState
 from minifsdp.fsdp.core.units import flattened_params, is_unit, units, units_with_params
 from minifsdp.fsdp.param_pieces import state_dict_name
 

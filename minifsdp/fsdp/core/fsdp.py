@@ -45,6 +45,7 @@ The lines ``for ext in self._extensions`` are where torch's wider API joins (``e
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
@@ -53,25 +54,29 @@ from torch.distributed.utils import _apply_to_tensors
 
 from minifsdp.comm import get_collectives
 from minifsdp.fsdp.core.flat_param import build_layout
-from minifsdp.fsdp.core.handle import FlatParamHandle
+from minifsdp.fsdp.core.handle import FlatParamHandle, HandleState
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, cast_buffers, cast_floating
 from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, FreeEvents
-from minifsdp.fsdp.core.state import HandleState, TrainingState
 from minifsdp.fsdp.core.strategy import ShardingPlan, resolve_groups
 from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units
 from minifsdp.fsdp.core.wrap import recursive_wrap
 
 
+class TrainingState(Enum):  # where a unit is in its step (core/state.py draws the machine)
+    IDLE = auto()  # between steps: the local shard only (the root may keep its full parameters)
+    FORWARD = auto()  # inside its forward: full parameters gathered, the module's names point into them
+    AWAITING_BACKWARD = auto()  # forward done, outputs need a gradient; parameters freed again (FULL_SHARD)
+    PRE_BACKWARD = auto()  # autograd reached its outputs: parameters gathered again, its gradient computing
+    POST_BACKWARD = auto()  # its full gradient went to the reduce-scatter
+    SUMMON_FULL_PARAMS = auto()  # inside summon_full_params: full parameters, outside autograd
+
 @dataclass
 class RootStep:
     """What only the root keeps: every unit below it, the order they ran in, this step's bookkeeping."""
-    # every unit under the root, the root first
-    units: list
+    units: list  # every unit under the root, the root first
     order: ExecutionOrder = field(default_factory=ExecutionOrder)
-    # at most one final callback per backward
-    final_callback_queued: bool = False
-    # (id(module), name) -> dtype before buffer_dtype's cast
-    buffer_dtypes: dict = field(default_factory=dict)
+    final_callback_queued: bool = False  # at most one final callback per backward
+    buffer_dtypes: dict = field(default_factory=dict)  # (id(module), name) -> dtype before buffer_dtype's cast
     free_events: FreeEvents = field(default_factory=FreeEvents)  # limit_all_gathers' (prefetch.py)
 
 class FullyShardedDataParallel(Unit):
@@ -164,8 +169,10 @@ class FullyShardedDataParallel(Unit):
 
     def _lazy_init(self) -> None:
         """torch's ``_lazy_init``: the first forward makes this unit the root of every unit below it."""
-        step, names = RootStep(units(self)), {id(m): clean_name(n) or "root" for n, m in self.named_modules()}
-        self._root_step = step
+        self._root_step = step = RootStep(units(self))
+        # MixedPrecision.buffer_dtype, once (torch casts them before it checks the units, too)
+        step.buffer_dtypes = cast_buffers(step.units)
+        names = {id(m): clean_name(n) or "root" for n, m in self.named_modules()}
         for unit in step.units:
             if unit._handle is not None:
                 unit._handle.name = names[id(unit)]  # its module path, for messages and timelines
@@ -174,8 +181,6 @@ class FullyShardedDataParallel(Unit):
                                    "call the outermost FSDP module")
             # a plain reference, not a registered submodule (no cycle)
             unit.__dict__["_root"] = self
-        # MixedPrecision.buffer_dtype, once
-        step.buffer_dtypes = cast_buffers(step.units)
         for ext in self._extensions:
             ext.on_lazy_init(self)
 

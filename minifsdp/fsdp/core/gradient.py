@@ -44,12 +44,16 @@ backward, so AccumulateGrad adds the bf16 gradient straight into ``flat_param.gr
 """
 
 from dataclasses import dataclass
+from enum import Enum, auto
 
 import torch
 import torch.nn.functional as F
 
-from minifsdp.fsdp.core.state import GradState
 
+class GradState(Enum):  # where the unit's gradient is (core/state.py draws the machine)
+    SHARD = auto()  # in flat_param.grad as this rank's reduced shard (or None): what the optimizer steps
+    UNSHARDED = auto()  # whole, summed over no_sync backwards, shown as flat_param.grad
+    REDUCING = auto()  # a reduce-scatter (NO_SHARD: all-reduce) of the whole gradient is in flight
 
 def prepare_for_reduce_scatter(grad: torch.Tensor, padded_numel: int, reduce_dtype: torch.dtype,
                                predivide: float) -> torch.Tensor:

@@ -40,14 +40,20 @@ into its unit (but through the post-backward hook the step gives it): the step (
 torch's counterpart: ``FlatParamHandle`` (``_flat_param.py``: ``unshard``, ``reshard``, ``_use_unsharded_views``).
 """
 
+from enum import Enum, auto
+
 import torch
 import torch.nn as nn
 
 from minifsdp.fsdp.core.flat_param import FlatParamLayout, flatten, shard, unflatten
 from minifsdp.fsdp.core.gradient import UnitGradient
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
-from minifsdp.fsdp.core.state import HandleState
 
+
+class HandleState(Enum):  # what the flat parameter holds (core/state.py draws the machine)
+    SHARDED = auto()  # the full buffer's storage is 0 bytes: this rank holds its 1/N shard only
+    GATHERING = auto()  # an all-gather into the full buffer is in flight (e.g. a prefetch)
+    UNSHARDED = auto()  # the full buffer holds every rank's shard: the whole flat parameter
 
 class _OneCall(torch.autograd.Function):
     """``unsharded`` as one call of the unit sees it, under MixedPrecision, where torch's flat parameter changes dtype

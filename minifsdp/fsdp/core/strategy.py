@@ -136,10 +136,11 @@ class ShardGroups:
     """``shard``: the ranks that split a unit; ``replicate``: ranks holding the same shard (HYBRID) or None."""
     shard: dist.ProcessGroup  # all-gathers and reduce-scatters run here
     replicate: dist.ProcessGroup | None = None  # HYBRID's second all-reduce runs here
-    shard_rank = property(lambda self: dist.get_rank(self.shard))  # this rank's place in the shard group
-    shard_size = property(lambda self: dist.get_world_size(self.shard))  # the N of a shard: 1/N each
-    data_parallel_size = property(lambda self: self.shard_size * (  # N: shard x replicate
-        dist.get_world_size(self.replicate) if self.replicate is not None else 1))
+
+    def __post_init__(self):  # this rank's place in the shard group; its size (1/N each); N: shard x replicate
+        self.shard_rank, self.shard_size = dist.get_rank(self.shard), dist.get_world_size(self.shard)
+        replicas = dist.get_world_size(self.replicate) if self.replicate is not None else 1
+        self.data_parallel_size = self.shard_size * replicas
 
 def resolve_groups(plan: ShardingPlan, process_group) -> ShardGroups:
     """``process_group`` (a group, None for all ranks, or HYBRID's ``(shard, replicate)``) -> ShardGroups.
