@@ -348,7 +348,7 @@ def prefetch_worker():
     recorded from both: ours from our tracer's "all-gather issued" events (and, as a check
     of the tracer, from the c10d ops), torch's from the c10d ops (:class:`CollectiveLog`).
     """
-    from minifsdp.fsdp.core.state import HandleState
+    from minifsdp.fsdp.core.handle import HandleState
     from minifsdp.fsdp.core.units import units
 
     def alive_units(every: list) -> int:  # non-root units whose full parameters are gathered or on their way

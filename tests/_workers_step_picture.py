@@ -93,8 +93,7 @@ def _train(model, log: Log, rank: int, world: int) -> list[list[tuple]]:
 def _fsdp1_ours(rank, world):
     from minifsdp.fsdp.core import FullyShardedDataParallel as Core
     from minifsdp.fsdp.core.gradient import UnitGradient
-    from minifsdp.fsdp.core.handle import FlatParamHandle
-    from minifsdp.fsdp.core.state import HandleState
+    from minifsdp.fsdp.core.handle import FlatParamHandle, HandleState
     from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 
     log, names = Log(), {}

@@ -54,6 +54,8 @@ ANY_TAG = re.compile(r"^\s*<!--\s*(?:numbers|quotes):")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 SECTION_NUMBER = re.compile(r"(?<![\w.])[1-5]\.[1-5](?:[a-c](?:-[a-c])?)?(?!\w|\.\d|%)")
 NOT_PROSE = re.compile(r"```.*?```|arXiv:\S+|https?://\S+|pytorch/pytorch#\d+", re.S)
+# A Markdown link's target (``[the tests](02_fsdp_core_deeper.md#21-going-deeper)``) is an address, not prose.
+LINK_TARGET = re.compile(r"(?<=\])\([^()\s]+\)")
 NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=x\b|%))(?:x\b|%)?")
 ANY_NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
 WHOLE = re.compile(r"(?<![\w.^⁰¹²³⁴⁵⁶⁷⁸⁹-])\d[\d,]*(?:\.\d+)?(?=x\b|%|(?![\w⁰¹²³⁴⁵⁶⁷⁸⁹]|[.,]\d))")
@@ -87,7 +89,7 @@ def measured_figures(text: str) -> list[tuple[str, str]]:
 def every_number(text: str) -> list[tuple[str, str]]:
     """Every number of a tagged block, whole numbers included, as (how NOT_MEASURED names it, the number); not code
     spans, section numbers, superscripts, settings (``N = 2``) or a citation's year."""
-    text = SETTING.sub(" ", SECTION_NUMBER.sub(" ", CODE_SPAN.sub(" ", text)))
+    text = SETTING.sub(" ", SECTION_NUMBER.sub(" ", CODE_SPAN.sub(" ", LINK_TARGET.sub("", text))))
     units = {m.start(1): f"{m.group(1)} {m.group(2)}" for m in UNIT_NUMBER.finditer(text)}
     out = []
     for m in WHOLE.finditer(text):
@@ -237,6 +239,11 @@ COURSE = {
     "05_fsdp_future.md": ["5.1", "5.2", "5.3"],
     "06_when_fsdp_goes_wrong.md": ["6"],
 }
+
+# A chapter's optional parts, in a file of their own: the appendix -> its chapter, whose notebook prints its figures.
+# An appendix is not a course (its parts hang off the chapter's sections), but its figures are checked as the
+# chapter's are.
+APPENDICES = {"02_fsdp_core_deeper.md": "02_fsdp_core.md"}
 
 # What every course section holds, in this order, and how each part is recognised:
 #   **You will be able to:**   what the learner can do after it (a list)
@@ -475,7 +482,6 @@ NOT_MEASURED = {
     },
     "02_fsdp_core.md": {
         "0.8": "a setting: GPTConfig.small's size (0.8 M parameters)",
-        "1.01": "a test's bound: tests/test_memory_vs_torch.py asserts ours <= 1.01x torch's",
         "1.5": "ZeRO's accounting (Rajbhandari et al.): stage 3 moves 3Ψ against DDP's 2Ψ",
         "60": "the source's table (checkpointing: 60% saved)", "30": "the source's table (+30% compute time)",
         "50": "the source's table (mixed precision: 50% saved)", "15": "the source's table (+15% throughput)",
@@ -484,11 +490,16 @@ NOT_MEASURED = {
         "12704": "the tiny GPT's block unit, 12,704 elements (a property of the model; cell layout21gpt prints it)",
         "16 KB": "the root unit in fp32 (4,160 numbers x 4 bytes)", "50 KB": "a block unit in fp32 (12,704 x 4 bytes)",
         "4 bytes": "fp32's size (Adam's m and v: 8 bytes)", "16 bits": "bf16's and fp16's width",
-        "16 bytes": "ZeRO's 16 bytes per parameter; torch FSDP1 aligns each parameter to 16 bytes (_flat_param.py)",
         "12 bytes": "worked: three AdamW step tensors of 4 bytes", "28 bytes": "worked: 157,724 - 157,696",
         "0 bytes": "torch's code resizes the freed storage to 0; test_a_dropped_model_is_freed asserts exactly 0",
         "1 MiB": "a question's given (a ring all-reduce of 1 MiB at N = 4)",
         "63 MiB": "worked: (N-1)·S at N = 64, S = 1 MiB", "64 MiB": "worked: 2·63/64 MiB",
+        "2.13": "torch's version (cell setup02 prints 2.13.0)",
+    },
+    "02_fsdp_core_deeper.md": {
+        "1.01": "a test's bound: tests/test_memory_vs_torch.py asserts ours <= 1.01x torch's",
+        "16 bytes": "ZeRO's 16 bytes per parameter; torch FSDP1 aligns each parameter to 16 bytes (_flat_param.py)",
+        "0 bytes": "torch's code resizes the freed storage to 0; test_a_dropped_model_is_freed asserts exactly 0",
         "64 KB": "a message size of the collectives bench (a setting)",
         "4 ms": "a scheduler tick at Linux's common CONFIG_HZ=250 (a kernel setting)",
         "1 MB": "settings: the tuned ring's CARRY_BYTES and PIECE_BYTES (minifsdp/comm/tuned/)",
@@ -579,11 +590,11 @@ def paragraphs(chapter_text: str) -> list[tuple[int, str]]:
 def uncited_figures(chapter: str, chapter_text: str, notebooks: Path, root: Path = ROOT) -> list[str]:
     """Every figure outside the tagged blocks that no cell or results file its paragraph cites prints, and that
     ``NOT_MEASURED`` does not list."""
-    nb = notebooks / chapter.replace(".md", ".ipynb")
+    nb = notebooks / APPENDICES.get(chapter, chapter).replace(".md", ".ipynb")
     cells = {c.get("id") for c in json.loads(nb.read_text())["cells"]}
     problems = []
     for line, text in paragraphs(chapter_text):
-        prose = SETTING.sub(" ", SECTION_NUMBER.sub(" ", NOT_PROSE.sub(" ", text)))
+        prose = SETTING.sub(" ", SECTION_NUMBER.sub(" ", NOT_PROSE.sub(" ", LINK_TARGET.sub("", text))))
         quoted = [n for key, n in measured_figures(prose) if key not in NOT_MEASURED[chapter]]
         if not quoted:
             continue
@@ -598,7 +609,41 @@ def uncited_figures(chapter: str, chapter_text: str, notebooks: Path, root: Path
     return problems
 
 
-@pytest.mark.parametrize("chapter", sorted(COURSE), ids=[c.removesuffix(".md") for c in sorted(COURSE)])
+def slug(heading: str) -> str:
+    """A Markdown heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def appendix_problems(appendix: str, appendix_text: str, chapter_text: str) -> list[str]:
+    """Each part (``## `` heading) of an appendix that its chapter does not link, and each link from the chapter into
+    the appendix whose anchor is no heading there."""
+    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", appendix_text, re.M)}
+    parts = [slug(h) for h in re.findall(r"^## (.+)$", appendix_text, re.M)]
+    linked = set(re.findall(rf"\]\({re.escape(appendix)}#([\w-]+)\)", chapter_text))
+    return ([f"part #{a} is not linked from the chapter" for a in parts if a not in linked]
+            + [f"the chapter links #{a}, which is no heading of {appendix}" for a in sorted(linked - anchors)])
+
+
+@pytest.mark.parametrize("appendix", sorted(APPENDICES), ids=[a.removesuffix(".md") for a in sorted(APPENDICES)])
+def test_every_part_of_an_appendix_is_linked_from_its_chapter(appendix):
+    text = (ROOT / "chapters" / appendix).read_text()
+    chapter = (ROOT / "chapters" / APPENDICES[appendix]).read_text()
+    assert len(re.findall(r"^## ", text, re.M)) >= 5  # the parts were read
+    problems = appendix_problems(appendix, text, chapter)
+    assert not problems, f"{appendix} and {APPENDICES[appendix]}:\n" + "\n".join(problems)
+    # the check catches a part nobody links and a link to a part that is gone
+    first = re.search(r"^## (.+)$", text, re.M).group(1)
+    unlinked = chapter.replace(f"]({appendix}#{slug(first)})", "](elsewhere.md)")
+    assert f"part #{slug(first)} is not linked from the chapter" in appendix_problems(appendix, text, unlinked)
+    renamed = text.replace(f"## {first}\n", "## Renamed\n", 1)
+    assert f"the chapter links #{slug(first)}, which is no heading of {appendix}" in appendix_problems(
+        appendix, renamed, chapter)
+
+
+BOOK = sorted(COURSE) + sorted(APPENDICES)
+
+
+@pytest.mark.parametrize("chapter", BOOK, ids=[c.removesuffix(".md") for c in BOOK])
 def test_every_figure_is_printed_by_the_cell_it_cites(chapter):
     missing = uncited_figures(chapter, (ROOT / "chapters" / chapter).read_text(), ROOT / "notebooks")
     assert not missing, (f"{chapter} quotes figures that no cell or results file cited in their paragraph prints "

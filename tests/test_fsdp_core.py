@@ -58,7 +58,7 @@ def test_sharding_plan_answers_as_torch_fsdp1_decides(name):
     assert plan.frees_after_forward == (HandleShardingStrategy[name] in RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES)
     assert plan.two_groups == (TorchStrategy[name] in HYBRID_SHARDING_STRATEGIES)
     assert plan.shards_params == plan.frees_after_backward == (name != "NO_SHARD")  # torch: uses_sharded_strategy
-    assert (plan.reduce_scatter_in is None) == (name == "NO_SHARD") and bool(plan.all_reduce_in) == (
+    assert (not plan.reduce_scatters) == (name == "NO_SHARD") and plan.all_reduces == (
         name == "NO_SHARD" or plan.two_groups)
     for n in (1, 2, 3, 4, 6, 8, 16):
         pre, post = ShardingPlan.of(ShardingStrategy[name], n).divide_factors()

@@ -1,6 +1,7 @@
 """``python -m minifsdp plan``'s time, held to absolute numbers worked by hand in chapter 2.3, not only to ratios.
 
-The oracle is the arithmetic of chapter 2.3's "The time, worked by hand" (Llama 2 7B, bf16, one 4,096-token
+The oracle is the arithmetic of "The time, worked by hand" in chapter 2.3's appendix part on the plan at real scale
+(``chapters/02_fsdp_core_deeper.md``; Llama 2 7B, bf16, one 4,096-token
 sequence per H100, N = 8 and 64), written out below from the model's shape and the datasheet's figures (989
 dense bf16 TFLOP/s, 3,600 Gbit/s NVLink and 400 Gbit/s InfiniBand each way), not read from the code under
 test.  Ratios of network times survive a unit slip (bits for bytes in a link speed, a missing factor of 6 or
@@ -16,7 +17,7 @@ import pytest
 
 from minifsdp.tools.cli import main
 
-CHAPTER = Path(__file__).resolve().parents[1] / "chapters" / "02_fsdp_core.md"
+CHAPTER = Path(__file__).resolve().parents[1] / "chapters" / "02_fsdp_core_deeper.md"  # chapter 2.3, going deeper
 
 P, ROOT_UNIT = 6_738_415_616, 2 * 32_000 * 4_096 + 4_096  # Llama 2 7B; the root unit: embeddings, norm, head
 MATMUL = 32 * (2 * 4_096**2 + 2 * 4_096 * 4_096 + 3 * 4_096 * 11_008) + 32_000 * 4_096

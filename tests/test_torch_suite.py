@@ -69,7 +69,7 @@ def test_fast_slice_through_the_command(tmp_path):
 
 
 def test_chapter_2_quotes_the_committed_table():
-    """Chapter 2 states the port's count; it must be the one the committed run printed."""
+    """Chapter 2 (its appendix's parity part) states the port's count; it must be the one the committed run printed."""
     root = Path(__file__).resolve().parents[1]
     whole = (root / "chapters" / "results" / "torch_suite.txt").read_text()
     table, _, fsdp2 = whole.partition(T.FSDP2_HEADER)  # FSDP1's section, then FSDP2's
@@ -78,7 +78,7 @@ def test_chapter_2_quotes_the_committed_table():
     passed, total, not_counted = overall.groups()
     listed = [line for line in table.splitlines() if line.startswith("  ")]
     assert len(listed) == int(not_counted), f"{len(listed)} not-counted cases listed, the table says {not_counted}"
-    chapter = (root / "chapters" / "02_fsdp_core.md").read_text()
+    chapter = (root / "chapters" / "02_fsdp_core_deeper.md").read_text()
     assert f"passes {passed} of {total} cases" in chapter, "chapter 2's count is not the committed run's"
     assert f"The {not_counted} cases that torch FSDP1 itself fails" in chapter
 

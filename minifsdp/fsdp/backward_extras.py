@@ -37,7 +37,7 @@ from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten
 
 from minifsdp.fsdp.core.extension import Extension
-from minifsdp.fsdp.core.state import TrainingState
+from minifsdp.fsdp.core.fsdp import TrainingState
 
 __all__ = ["BackwardExtras"]
 

@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from minifsdp.comm.devices import collective_device
 from minifsdp.fsdp.core.flat_param import unflatten
-from minifsdp.fsdp.core.state import HandleState, TrainingState
+from minifsdp.fsdp.core.fsdp import TrainingState
+from minifsdp.fsdp.core.handle import HandleState
 from minifsdp.fsdp.core.units import flattened_params, is_unit, units, units_with_params
 from minifsdp.fsdp.param_pieces import state_dict_name
 
@@ -102,12 +103,14 @@ def _summoned(unit, writeback: bool, shown: bool):
     try:
         with full_precision(h) if h is not None else contextlib.nullcontext():  # fp32, never a low-precision copy
             if h is not None:
-                unit._extensions.before_unshard(unit, False)
+                for ext in unit._extensions:
+                    ext.before_unshard(unit, False)
                 h.start_unshard()
                 h.wait_unshard()
                 if shown:
                     show_full_params(h)
-                    unit._extensions.after_unshard(unit)
+                    for ext in unit._extensions:
+                        ext.after_unshard(unit)
                 elif not kept:  # rank0_only, another rank: it only took part in the all-gather
                     h.reshard()
             try:
@@ -119,7 +122,8 @@ def _summoned(unit, writeback: bool, shown: bool):
                     h.reshard()
         if h is not None and shown:
             hide_full_params(h)
-            unit._extensions.after_reshard(unit)
+            for ext in unit._extensions:
+                ext.after_reshard(unit)
             if kept:  # no gather again at the next use, whatever an edit bumped (torch never gathers a kept
                 h.gathered_from = h.shard_version()  # one: with writeback=False its edit stays until the free)
     finally:

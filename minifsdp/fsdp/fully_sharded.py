@@ -64,8 +64,8 @@ from minifsdp.fsdp import torch_options as opts
 from minifsdp.fsdp.backward_extras import BackwardExtras
 from minifsdp.fsdp.checks import check_layer_cls_matches, install_optimizer_check
 from minifsdp.fsdp.core import fsdp as core
+from minifsdp.fsdp.core.fsdp import TrainingState
 from minifsdp.fsdp.core.prefetch import BackwardPrefetch
-from minifsdp.fsdp.core.state import TrainingState
 from minifsdp.fsdp.core.strategy import ShardingStrategy
 from minifsdp.fsdp.core.units import clean_name, is_unit, units, units_with_params
 from minifsdp.fsdp.dtype_change import flat_param_registered

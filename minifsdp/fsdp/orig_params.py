@@ -60,9 +60,10 @@ import torch.nn as nn
 
 from minifsdp.fsdp.core.extension import Extension
 from minifsdp.fsdp.core.flat_param import FlatParamLayout, ParamSlot, padded_size, unflatten
-from minifsdp.fsdp.core.gradient import set_grad
+from minifsdp.fsdp.core.fsdp import TrainingState
+from minifsdp.fsdp.core.gradient import GradState, set_grad
+from minifsdp.fsdp.core.handle import HandleState
 from minifsdp.fsdp.core.mixed_precision import resolve_dtypes
-from minifsdp.fsdp.core.state import GradState, HandleState, TrainingState
 
 __all__ = ["OrigParams", "aligned", "set_tensor_attr", "clear_tensor_attr", "show_full_grads", "drop_full_grads",
            "restore_grads"]

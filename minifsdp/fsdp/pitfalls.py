@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp.comm.devices import collective_device
-from minifsdp.fsdp.core.state import TrainingState
+from minifsdp.fsdp.core.fsdp import TrainingState
 from minifsdp.fsdp.core.strategy import ShardingPlan
 from minifsdp.fsdp.core.units import units
 

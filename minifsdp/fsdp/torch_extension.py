@@ -36,8 +36,8 @@ from minifsdp.fsdp.checks import (
 )
 from minifsdp.fsdp.core.extension import Extension
 from minifsdp.fsdp.core.flat_param import build_layout
+from minifsdp.fsdp.core.handle import HandleState
 from minifsdp.fsdp.core.mixed_precision import KEEP_DTYPE, resolve_dtypes
-from minifsdp.fsdp.core.state import HandleState
 from minifsdp.fsdp.core.units import units
 from minifsdp.fsdp.deferred_init import sync_module_states
 from minifsdp.fsdp.torch_options import check_cpu_offload, check_homogeneous

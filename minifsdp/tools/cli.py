@@ -1,5 +1,5 @@
 """The command line: ``python -m minifsdp compare``, ``train``, ``generate``, ``bench``, ``plan``, ``torch-suite``,
-``course``, ``fuzz``."""
+``course``, ``fuzz``, ``route``."""
 
 from __future__ import annotations
 
@@ -118,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_fuzz_arguments(p_fuzz)
 
+    sub.add_parser("route", help="the route one traced FSDP1 step takes through the core: files, functions, turns")
+
     args = parser.parse_args(argv)
+    if args.command == "route":
+        from minifsdp.tools.route import main as route_main
+
+        return route_main()
     if args.command == "fuzz":
         from minifsdp.fuzz.command import fuzz_command
 

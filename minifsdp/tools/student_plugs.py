@@ -46,9 +46,9 @@ import torch.nn as nn
 from minifsdp.comm import tuned as our_ring
 from minifsdp.fsdp.core.extension import Extension
 from minifsdp.fsdp.core.flat_param import unflatten as our_unflatten
+from minifsdp.fsdp.core.fsdp import TrainingState
 from minifsdp.fsdp.core.prefetch import ExecutionOrder
 from minifsdp.fsdp.core.prefetch import prefetch_target as our_prefetch_target
-from minifsdp.fsdp.core.state import TrainingState
 from minifsdp.fsdp.core.units import clean_name, is_unit, units, units_with_params
 
 __all__ = ["FUNCTIONS", "StudentError", "Plug", "StudentComm", "StudentViews", "StudentOrder", "plug_into"]

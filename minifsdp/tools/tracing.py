@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.fsdp.core.extension import Extension
-from minifsdp.fsdp.core.state import HandleState, TrainingState
+from minifsdp.fsdp.core.fsdp import TrainingState
+from minifsdp.fsdp.core.handle import HandleState
 from minifsdp.fsdp.core.units import units
 
 __all__ = ["Tracer", "profile_to_chrome_trace"]

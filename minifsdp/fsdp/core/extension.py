@@ -24,19 +24,17 @@ torch's handle reads its ``_training_state``.  An extension may read the unit an
 act on its own tensors and on module attributes; the step's state is the step's.
 
 Why one interface, and not a subclass that overrides the step's methods?  A learner reading
-``fsdp.py`` sees every place where something else may happen (the ``self._extensions`` lines);
+``fsdp.py`` sees every place where something else may happen (the ``for ext in self._extensions`` lines);
 and each corner case is one small class (``minifsdp/fsdp/fully_sharded.py`` lists them), not a
 thread through ten overridden methods.  The core alone runs with no extension.
 """
 
 from typing import Protocol
 
-POINTS = ("on_lazy_init", "before_forward", "before_unshard", "after_unshard", "after_forward", "after_reshard",
-          "after_reduce", "after_backward")  # (and on_wrap, which returns a layout: fsdp.py's _flatten)
 
 class Extension(Protocol):
-    """What a unit's extension may do at each point.  A class that subclasses ``Extension`` inherits these
-    defaults, which do nothing, and writes only the points it uses; ``unit`` is ``fsdp.py``'s class."""
+    """What a unit's extension may do at each point; each default does nothing (a subclass writes the points it
+    uses).  The step calls each of ``unit._extensions`` in turn (``unit``: ``fsdp.py``'s class; none: core alone)."""
 
     def on_wrap(self, unit, layout):  # the layout to flatten: this one, another, or None (none of its own)
         return layout
@@ -49,16 +47,3 @@ class Extension(Protocol):
     def after_reshard(self, unit) -> None: ...
     def after_reduce(self, unit) -> None: ...
     def after_backward(self, unit) -> None: ...
-
-class Extensions(list):
-    """A unit's extensions: ``unit._extensions.after_reshard(unit)`` calls each one's ``after_reshard`` in the
-    order they were given (``on_wrap``: the step hands each the layout the one before returned)."""
-
-    def __getattr__(self, point: str):
-        if point not in POINTS:
-            raise AttributeError(f"{point!r} is no point of the step (core/extension.py: {', '.join(POINTS)})")
-
-        def call(*args) -> None:
-            for ext in self:
-                getattr(ext, point)(*args)
-        return call

@@ -39,12 +39,13 @@ split: these methods mirror the functions of ``torch/distributed/fsdp/_runtime_u
 
 Note (root): the outermost unit, whose forward runs first (torch's ``_lazy_init`` finds it); its
 ``RootStep`` keeps every unit below it, their execution order, whether the final callback is queued.
-The lines ``self._extensions.<point>(self)`` are where torch's wider API joins (``extension.py``).
+The lines ``for ext in self._extensions`` are where torch's wider API joins (``extension.py``; none by default).
 """
 
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
@@ -52,27 +53,30 @@ import torch.nn as nn
 from torch.distributed.utils import _apply_to_tensors
 
 from minifsdp.comm import get_collectives
-from minifsdp.fsdp.core.extension import Extensions
 from minifsdp.fsdp.core.flat_param import build_layout
-from minifsdp.fsdp.core.handle import FlatParamHandle
+from minifsdp.fsdp.core.handle import FlatParamHandle, HandleState
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, cast_buffers, cast_floating
-from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, FreeEvents, can_prefetch
-from minifsdp.fsdp.core.state import HandleState, TrainingState
+from minifsdp.fsdp.core.prefetch import BackwardPrefetch, ExecutionOrder, FreeEvents
 from minifsdp.fsdp.core.strategy import ShardingPlan, resolve_groups
 from minifsdp.fsdp.core.units import Unit, clean_name, flattened_params, units
 from minifsdp.fsdp.core.wrap import recursive_wrap
 
 
+class TrainingState(Enum):  # where a unit is in its step (core/state.py draws the machine)
+    IDLE = auto()  # between steps: the local shard only (the root may keep its full parameters)
+    FORWARD = auto()  # inside its forward: full parameters gathered, the module's names point into them
+    AWAITING_BACKWARD = auto()  # forward done, outputs need a gradient; parameters freed again (FULL_SHARD)
+    PRE_BACKWARD = auto()  # autograd reached its outputs: parameters gathered again, its gradient computing
+    POST_BACKWARD = auto()  # its full gradient went to the reduce-scatter
+    SUMMON_FULL_PARAMS = auto()  # inside summon_full_params: full parameters, outside autograd
+
 @dataclass
 class RootStep:
     """What only the root keeps: every unit below it, the order they ran in, this step's bookkeeping."""
-    # every unit under the root, the root first
-    units: list
+    units: list  # every unit under the root, the root first
     order: ExecutionOrder = field(default_factory=ExecutionOrder)
-    # at most one final callback per backward
-    final_callback_queued: bool = False
-    # (id(module), name) -> dtype before buffer_dtype's cast
-    buffer_dtypes: dict = field(default_factory=dict)
+    final_callback_queued: bool = False  # at most one final callback per backward
+    buffer_dtypes: dict = field(default_factory=dict)  # (id(module), name) -> dtype before buffer_dtype's cast
     free_events: FreeEvents = field(default_factory=FreeEvents)  # limit_all_gathers' (prefetch.py)
 
 class FullyShardedDataParallel(Unit):
@@ -111,7 +115,7 @@ class FullyShardedDataParallel(Unit):
         self.comm = get_collectives(collectives)
         self.mixed_precision, self.limit_all_gathers = mixed_precision, limit_all_gathers
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
-        self._extensions, self.training_state = Extensions(extensions), TrainingState.IDLE
+        self._extensions, self.training_state = list(extensions), TrainingState.IDLE
         if auto_wrap_policy is not None:  # children first (post-order): each takes its parameters before we do
             kwargs = dict(process_group=process_group, sharding_strategy=plan.strategy, collectives=collectives,
                           backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
@@ -119,14 +123,15 @@ class FullyShardedDataParallel(Unit):
             recursive_wrap(module, auto_wrap_policy, lambda m: type(self)(m, **kwargs), only_wrap_children=True)
         self._fsdp_wrapped_module = module
         self._handle = self._flatten(module)
+        # set at the first forward (_lazy_init): the root unit; on the root only, its RootStep; False inside no_sync()
+        self._root, self._root_step, self._sync_gradients = None, None, True
         if self._handle is not None:
             # wrapped: the parameters are sharded, as after every reshard
-            self._extensions.after_reshard(self)
-        # set at the first forward (_lazy_init): the root unit; on the root only, its RootStep
-        self._root, self._root_step = None, None
-        # False inside no_sync(); the hook on the handle's gradient leaf (or its node), once the leaf requires grad:
-        self._sync_gradients, self._post_backward_handle = True, None
-        self._register_post_backward_hook()
+            for ext in self._extensions:
+                ext.after_reshard(self)
+            unit = weakref.ref(self)  # the hook lives in C++, unseen by Python's GC: it must not hold the unit
+            self._handle.post_backward_hook = lambda *_: unit()._post_backward_hook()
+            self._handle.register_post_backward_hook()  # once its gradient leaf requires grad (handle.py)
 
     def _flatten(self, module: nn.Module) -> FlatParamHandle | None:
         """The unit's own parameters (none that a nested unit took) in one flat parameter; None if none.
@@ -158,13 +163,16 @@ class FullyShardedDataParallel(Unit):
         finally:
             self._post_forward(again)
         self._register_pre_backward_hooks(out)
-        self._extensions.after_forward(self, out)
+        for ext in self._extensions:
+            ext.after_forward(self, out)
         return out
 
     def _lazy_init(self) -> None:
         """torch's ``_lazy_init``: the first forward makes this unit the root of every unit below it."""
-        step, names = RootStep(units(self)), {id(m): clean_name(n) or "root" for n, m in self.named_modules()}
-        self._root_step = step
+        self._root_step = step = RootStep(units(self))
+        # MixedPrecision.buffer_dtype, once (torch casts them before it checks the units, too)
+        step.buffer_dtypes = cast_buffers(step.units)
+        names = {id(m): clean_name(n) or "root" for n, m in self.named_modules()}
         for unit in step.units:
             if unit._handle is not None:
                 unit._handle.name = names[id(unit)]  # its module path, for messages and timelines
@@ -173,9 +181,8 @@ class FullyShardedDataParallel(Unit):
                                    "call the outermost FSDP module")
             # a plain reference, not a registered submodule (no cycle)
             unit.__dict__["_root"] = self
-        # MixedPrecision.buffer_dtype, once
-        step.buffer_dtypes = cast_buffers(step.units)
-        self._extensions.on_lazy_init(self)
+        for ext in self._extensions:
+            ext.on_lazy_init(self)
 
     def _pre_forward(self, args, kwargs):
         """torch's ``_root_pre_forward`` and ``_pre_forward``: cast the inputs, gather the parameters, and point
@@ -189,13 +196,12 @@ class FullyShardedDataParallel(Unit):
             # the first unit to run forward is the root
             self._lazy_init()
         mp, h = self.mixed_precision, self._handle
-        if self.is_root and mp is not None and mp.cast_root_forward_inputs:
+        if mp and (self.is_root and mp.cast_root_forward_inputs or h is not None and mp.cast_forward_inputs):
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        if mp is not None and mp.cast_forward_inputs and h is not None:
-            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        self._extensions.before_forward(self, args, kwargs)
-        # a unit that has started to require grad since wrapping
-        self._register_post_backward_hook()
+        for ext in self._extensions:
+            ext.before_forward(self, args, kwargs)
+        if h is not None:  # a unit that has started to require grad since wrapping
+            h.register_post_backward_hook()
         self.training_state = TrainingState.FORWARD
         step = self._root._root_step
         step.order.record_pre_forward(self)
@@ -204,18 +210,19 @@ class FullyShardedDataParallel(Unit):
             self._unshard()
             if not prefetched:  # module.weight ... become views of the full buffer, as the module expects
                 h.use_unsharded_views()
-                self._extensions.after_unshard(self)
+                for ext in self._extensions:
+                    ext.after_unshard(self)
             if self._root.forward_prefetch:
-                self._prefetch(step.order.next_in_forward(self), in_backward=False)
+                self._prefetch(step.order.next_in_forward, in_backward=False)
         return args, kwargs
 
     def _post_forward(self, again: bool) -> None:
         """torch's ``_post_forward`` (``_post_forward_reshard`` decides alike): free the parameters if the plan
         says so (never the root's: its backward comes at once, so freeing them would only gather them again)."""
         if self._handle is not None:
+            self._reshard(free=not self.is_root and self.plan.frees_after_forward)
             # the backward runs in the reverse order
             self._root._root_step.order.record_post_forward(self)
-            self._reshard(free=not self.is_root and self.plan.frees_after_forward)
         self.training_state = TrainingState.AWAITING_BACKWARD if again else TrainingState.IDLE
 
     def _register_pre_backward_hooks(self, out) -> None:
@@ -257,8 +264,9 @@ class FullyShardedDataParallel(Unit):
             # the forward's views see the numbers again: the same storage (handle.py, Note)
             self._unshard()
             if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                self._prefetch(step.order.next_in_backward(self), in_backward=True)
-            self._extensions.after_unshard(self)
+                self._prefetch(step.order.next_in_backward, in_backward=True)
+            for ext in self._extensions:
+                ext.after_unshard(self)
             h.gradient.prepare()
 
     def _post_backward_hook(self) -> None:
@@ -271,7 +279,8 @@ class FullyShardedDataParallel(Unit):
         self._post_backward_reshard()
         if not self._sync_gradients:  # no_sync(): keep the full gradient, where zero_grad() can reach it
             h.gradient.keep_unsharded()
-            self._extensions.after_reduce(self)
+            for ext in self._extensions:
+                ext.after_reduce(self)
             return
         # At most one reduction in flight: finish the previous unit's (it had this unit's whole backward
         # to complete), so its full gradient is freed now, not at the end of the backward.  torch on a GPU
@@ -280,9 +289,7 @@ class FullyShardedDataParallel(Unit):
         for unit in [u for u in step.units if u is not self and u._handle is not None] + [self]:
             unit._finish_reduction()
         h.gradient.start_reduce()
-        if h.flat_param.device.type == "cpu":
-            # torch FSDP1 on CPU reduces synchronously in this hook: a unit's full gradient never outlives it (+1
-            # block at the peak), and NO_SHARD's, reduced in place, is done before autograd may add to it again.
+        if h.gradient.reduces_in_hook:
             self._finish_reduction()
 
     def _post_backward_reshard(self) -> None:
@@ -290,7 +297,7 @@ class FullyShardedDataParallel(Unit):
         prefetch of the unit the backward needs next."""
         self._reshard(free=self._should_free_in_backward())
         if self._root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            self._prefetch(self._root._root_step.order.next_in_backward(self), in_backward=True)
+            self._prefetch(self._root._root_step.order.next_in_backward, in_backward=True)
 
     def _should_free_in_backward(self) -> bool:
         """torch's ``_should_free_in_backward``: a plan that frees after the backward does, except that under
@@ -315,7 +322,8 @@ class FullyShardedDataParallel(Unit):
                 if unit.training_state is TrainingState.PRE_BACKWARD:  # gathered by this backward, never freed
                     unit._reshard(free=unit._should_free_in_backward())
             unit.training_state = TrainingState.IDLE
-            unit._extensions.after_backward(unit)
+            for ext in unit._extensions:
+                ext.after_backward(unit)
         self._root_step.final_callback_queued = False
         self._root_step.order.end_iteration()
 
@@ -334,52 +342,44 @@ class FullyShardedDataParallel(Unit):
 
     def _start_unshard(self, prefetch: bool = False) -> None:
         """Issue the all-gather and return: the half of :meth:`_unshard` a prefetch runs (it waits later)."""
-        self._extensions.before_unshard(self, prefetch)
+        for ext in self._extensions:
+            ext.before_unshard(self, prefetch)
         # limit_all_gathers (prefetch.py, Note (the limit)); the queue stays empty without it
         self._root._root_step.free_events.wait_before_all_gather()
         self._handle.start_unshard()
 
     def _reshard(self, free: bool) -> None:
         """torch's ``_reshard``: free the full parameters or keep them; a free is queued for limit_all_gathers."""
-        if free and self._root.limit_all_gathers and self._handle.state is not HandleState.SHARDED:
-            self._root._root_step.free_events.record_free(self._handle.flat_param.device)
+        frees = free and self._root.limit_all_gathers and self._handle.state is not HandleState.SHARDED
         self._handle.reshard(free=free)
-        self._extensions.after_reshard(self)
+        if frees:  # (after the free, as torch's _reshard records its event)
+            self._root._root_step.free_events.record_free(self._handle.flat_param.device)
+        for ext in self._extensions:
+            ext.after_reshard(self)
 
-    def _prefetch(self, target, in_backward: bool) -> None:
-        """torch's ``_prefetch_handle``: start ``target``'s all-gather now if it needs one; in the forward, make its
-        views too, the target in FORWARD state meanwhile, as torch's (``prefetch.py``, Note (views))."""
-        if can_prefetch(target, in_backward) and in_backward:
+    def _prefetch(self, next_of, in_backward: bool) -> None:
+        """torch's ``_prefetch_handle``: start the all-gather of ``next_of(self)``, the unit the recorded order says
+        comes next, if it needs one (still SHARDED: not there, nor on its way) and, in the backward, if its backward is
+        still to come (torch's ``_get_handle_to_prefetch``); in the forward, make its views too, the target in
+        FORWARD state meanwhile (``prefetch.py``, Note (views))."""
+        target = next_of(self)
+        if target is None or target._handle is None or target._handle.state is not HandleState.SHARDED:
+            return
+        if in_backward and target.training_state is TrainingState.AWAITING_BACKWARD:
             target._start_unshard(prefetch=True)
-        elif can_prefetch(target, in_backward):
+        elif not in_backward:
             before, target.training_state = target.training_state, TrainingState.FORWARD
             target._start_unshard(prefetch=True)
             target._handle.use_unsharded_views()
-            target._extensions.after_unshard(target)
+            for ext in target._extensions:
+                ext.after_unshard(target)
             target.training_state = before
 
     def _finish_reduction(self) -> None:
         """Wait for this unit's reduction in flight, if any, and tell the extensions its gradient is there."""
         if self._handle.gradient.finish_reduce():
-            self._extensions.after_reduce(self)
-
-    def _register_post_backward_hook(self) -> None:
-        """torch's ``_register_post_backward_hook``: call :meth:`_post_backward_hook` once autograd has
-        accumulated the unit's full gradient (a hook on the gradient leaf, ``handle.unsharded``).
-
-        Why after accumulation?  Autograd sums every use's contribution (each view, a tied weight's two names)
-        before the leaf's AccumulateGrad runs once, so this hook sees the whole gradient.  torch registers on
-        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``) once, and
-        holds it (the leaf's reference is weak); so do we where each call's gradient comes in alone (``handle.py``,
-        ``_OneCall``): the node runs after them all with none to add, when a hook on the leaf would not run."""
-        h = self._handle
-        if h is not None and h.unsharded.requires_grad and self._post_backward_handle is None:
-            # the hook lives in C++, unseen by Python's GC: it must not hold the unit
-            unit = weakref.ref(self)
-            hook, leaf = lambda *_: unit()._post_backward_hook(), h.unsharded
-            node = torch.autograd.graph.get_gradient_edge(leaf).node if h.calls_alone else None
-            self._post_backward_handle = (node, node.register_hook(hook)) if node else \
-                leaf.register_post_accumulate_grad_hook(hook)
+            for ext in self._extensions:
+                ext.after_reduce(self)
 
     # ================================================================== outside the step
     # (``module``, ``flat_param`` and ``is_root`` are the base class's: ``units.py``)

@@ -22,7 +22,7 @@ Why reduce-scatter and not all-reduce?  Each rank only steps its own 1/N of the 
 it only needs the sum of its 1/N of the gradient: a reduce-scatter moves half the bytes of an
 all-reduce (chapter 2.2) and leaves each rank exactly that.  NO_SHARD keeps whole parameters,
 so it all-reduces the whole gradient, as DDP does, with the same casts and divide factors.
-The plan (``strategy.py``) says which: ``plan.reduce_scatter_in`` and ``plan.all_reduce_in``.
+The plan (``strategy.py``) says which: ``plan.reduce_scatters`` and ``plan.all_reduces``.
 
 ``later`` is the next unit's post-backward or the root's final callback (on CPU the unit's own
 post-backward, as torch FSDP1's): the step (``fsdp.py``) decides when; this module only does.
@@ -44,12 +44,16 @@ backward, so AccumulateGrad adds the bf16 gradient straight into ``flat_param.gr
 """
 
 from dataclasses import dataclass
+from enum import Enum, auto
 
 import torch
 import torch.nn.functional as F
 
-from minifsdp.fsdp.core.state import GradState
 
+class GradState(Enum):  # where the unit's gradient is (core/state.py draws the machine)
+    SHARD = auto()  # in flat_param.grad as this rank's reduced shard (or None): what the optimizer steps
+    UNSHARDED = auto()  # whole, summed over no_sync backwards, shown as flat_param.grad
+    REDUCING = auto()  # a reduce-scatter (NO_SHARD: all-reduce) of the whole gradient is in flight
 
 def prepare_for_reduce_scatter(grad: torch.Tensor, padded_numel: int, reduce_dtype: torch.dtype,
                                predivide: float) -> torch.Tensor:
@@ -100,6 +104,12 @@ class UnitGradient:
         self.predivide, self.postdivide = handle.plan.divide_factors()
         self.keeps_low = getattr(handle.mixed_precision, "keep_low_precision_grads", False)  # (mixed_precision.py)
 
+    @property
+    def reduces_in_hook(self) -> bool:
+        """On a CPU torch FSDP1 reduces synchronously in the post-backward hook, and so do we: a full gradient never
+        outlives its hook (+1 block at the peak); NO_SHARD's, reduced in place, is done before autograd adds more."""
+        return self.handle.flat_param.device.type == "cpu"
+
     def prepare(self) -> None:
         """Pre-backward: honour a ``zero_grad()`` since the last backward; set a kept shard aside.
 
@@ -146,7 +156,7 @@ class UnitGradient:
 
     def start_reduce(self) -> None:
         """Post-backward: cast, divide, start the reduce-scatter (NO_SHARD: all-reduce) of the full gradient."""
-        h, scattered = self.handle, self.handle.plan.reduce_scatter_in is not None
+        h, scattered = self.handle, self.handle.plan.reduce_scatters
         if h.casts_unsharded:
             self.take_cast_grad()
         # the full gradient autograd summed
@@ -165,7 +175,7 @@ class UnitGradient:
         sent = prepare_for_reduce_scatter(grad, h.layout.padded_numel if scattered else grad.numel(),
                                           h.dtypes.reduce, self.predivide)
         if scattered:
-            out = torch.empty(h.layout.shard_numel, dtype=sent.dtype, device=grad.device)  # this rank's 1/N
+            out = torch.empty(h.flat_param.numel(), dtype=sent.dtype, device=grad.device)  # this rank's 1/N
             self.in_flight = Reduction(h.comm.reduce_scatter(out, sent, group=h.groups.shard, async_op=True), out, sent)
         else:
             self.in_flight = Reduction(h.comm.all_reduce(sent, group=h.groups.shard, async_op=True), sent, sent)
@@ -183,13 +193,13 @@ class UnitGradient:
         # (a reduction started async_op=True: its numbers are there only after the wait)
         r.work.wait()
         self.state = GradState.SHARD
-        if h.plan.reduce_scatter_in is None:  # NO_SHARD: r.out is flat_param.grad, or its cast to reduce_dtype
+        if not h.plan.reduce_scatters:  # NO_SHARD: r.out is flat_param.grad, or its cast to reduce_dtype
             # torch: _cast_grad_to_param_dtype, which keep_low_precision_grads skips (kept in reduce_dtype)
             out = finish_reduced_shard(r.out, self.postdivide, r.out.dtype if self.keeps_low else h.dtypes.grad)
             if out is not h.flat_param.grad:
                 set_grad(h.flat_param, out)
             return True
-        if h.plan.all_reduce_in:  # HYBRID: the shard group's sum, summed again over the replicas
+        if h.plan.all_reduces:  # HYBRID: the shard group's sum, summed again over the replicas
             h.comm.all_reduce(r.out, group=h.groups.replicate, async_op=True).wait()
         out = finish_reduced_shard(r.out, self.postdivide, h.dtypes.orig)
         kept = self.saved_shard if self.saved_shard is not None else h.flat_param.grad

@@ -35,10 +35,12 @@ Note (NO_SHARD): nothing to gather; ``unsharded`` *is* ``flat_param``, its gradi
 place.  With ``MixedPrecision(param_dtype=...)`` the compute copy is a *cast* of ``flat_param``
 (``casts_unsharded``) of all of it, made at each use and freed after it, as torch's ``_mp_shard``.
 
-Note (one job): the handle owns a unit's tensors and the collectives that move them, and never calls
-back into its unit: the step (``fsdp.py``) decides *when*.  torch's counterpart: ``FlatParamHandle``
-(``_flat_param.py``: ``unshard``, ``reshard``, ``_use_unsharded_views``, ``_use_sharded_views``).
+Note (one job): the handle owns a unit's tensors and the collectives that move them, and never calls back
+into its unit (but through the post-backward hook the step gives it): the step (``fsdp.py``) decides *when*.
+torch's counterpart: ``FlatParamHandle`` (``_flat_param.py``: ``unshard``, ``reshard``, ``_use_unsharded_views``).
 """
+
+from enum import Enum, auto
 
 import torch
 import torch.nn as nn
@@ -46,8 +48,12 @@ import torch.nn as nn
 from minifsdp.fsdp.core.flat_param import FlatParamLayout, flatten, shard, unflatten
 from minifsdp.fsdp.core.gradient import UnitGradient
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
-from minifsdp.fsdp.core.state import HandleState
 
+
+class HandleState(Enum):  # what the flat parameter holds (core/state.py draws the machine)
+    SHARDED = auto()  # the full buffer's storage is 0 bytes: this rank holds its 1/N shard only
+    GATHERING = auto()  # an all-gather into the full buffer is in flight (e.g. a prefetch)
+    UNSHARDED = auto()  # the full buffer holds every rank's shard: the whole flat parameter
 
 class _OneCall(torch.autograd.Function):
     """``unsharded`` as one call of the unit sees it, under MixedPrecision, where torch's flat parameter changes dtype
@@ -99,6 +105,8 @@ class FlatParamHandle:
         self.gathering = self.gathered_from = None
         self.name = "unit"  # its module path, set by the root (for messages and traces)
         self.gradient = UnitGradient(self)
+        # what autograd calls once the full gradient is summed (the step's post-backward hook); its registration
+        self.post_backward_hook = self.post_backward_registered = None
 
     def new_full_buffer(self) -> torch.Tensor:
         """A freed ``padded`` buffer in the compute dtype; ``unsharded`` (the same leaf) becomes its first numel
@@ -161,6 +169,20 @@ class FlatParamHandle:
     def stale(self) -> bool:
         """The full buffer is there, but the shard changed since it was gathered."""
         return self.frees and self.state is not HandleState.SHARDED and self.gathered_from != self.shard_version()
+
+    def register_post_backward_hook(self) -> None:
+        """torch's ``_register_post_backward_hook``: call ``post_backward_hook`` once autograd has accumulated the
+        full gradient (a hook on the gradient leaf, ``unsharded``): once, as soon as the leaf requires grad.
+
+        Why after accumulation?  Autograd sums every use's contribution (each view, a tied weight's two names)
+        before the leaf's AccumulateGrad runs once, so this hook sees the whole gradient.  torch registers on
+        that AccumulateGrad node (``flat_param.expand_as(flat_param).grad_fn.next_functions[0][0]``) once, and
+        holds it (the leaf's reference is weak); so do we where each call's gradient comes in alone
+        (``_OneCall``): the node runs after them all with none to add, when a hook on the leaf would not run."""
+        if self.unsharded.requires_grad and self.post_backward_registered is None:
+            node = torch.autograd.graph.get_gradient_edge(self.unsharded).node if self.calls_alone else None
+            self.post_backward_registered = (node, node.register_hook(self.post_backward_hook)) if node else \
+                self.unsharded.register_post_accumulate_grad_hook(self.post_backward_hook)
 
     # ------------------------------------------------------------------ where the module's names point
     def use_unsharded_views(self) -> None:

@@ -48,11 +48,10 @@ gathers synchronously, overlapping nothing; ours (``async_op=True``) runs on glo
 """
 
 import collections
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
-
-from minifsdp.fsdp.core.state import HandleState, TrainingState
 
 RATE_LIMIT = 2  # limit_all_gathers: frees queued before an all-gather waits (torch: "empirically chosen")
 
@@ -60,14 +59,17 @@ class BackwardPrefetch(Enum):
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
 
+@dataclass(eq=False)
 class ExecutionOrder:
     """The units in the order the model ran them: ``pre_forward`` in the first iteration, each unit once (torch:
     "fix the order after the first iteration"), ``post_forward`` every iteration, a unit called twice twice,
     cleared when it ends.  torch's ``_ExecOrderData`` (``_exec_order_utils.py``) keeps these two lists, and each
     handle's first index on the handle (ours: ``list.index``); its ``next_iter`` is our ``end_iteration``."""
 
-    def __init__(self):
-        self.pre_forward, self.post_forward, self.started, self.first_iteration = [], [], set(), True  # of units
+    pre_forward: list = field(default_factory=list)  # of units
+    post_forward: list = field(default_factory=list)
+    started: set = field(default_factory=set)  # the units whose forward began in this iteration
+    first_iteration: bool = True
 
     def record_pre_forward(self, unit) -> None:
         self.started = {unit} if unit.is_root else self.started | {unit}
@@ -113,10 +115,3 @@ class FreeEvents(collections.deque):
     def wait_before_all_gather(self) -> None:
         if len(self) >= RATE_LIMIT:
             self.popleft().synchronize()
-
-def can_prefetch(target, in_backward: bool) -> bool:
-    """Whether to start ``target``'s all-gather now (the step issues it): it needs one and its backward is still
-    to come (torch's ``_get_handle_to_prefetch``)."""
-    return (target is not None and target._handle is not None
-            and target._handle.state is HandleState.SHARDED  # not already there, nor on its way
-            and not (in_backward and target.training_state is not TrainingState.AWAITING_BACKWARD))  # (done, or never)

@@ -1,4 +1,6 @@
-"""Three small state machines: where a unit is in its step, what its parameters hold, where its gradient is.
+"""Three small state machines side by side: where a unit is in its step, what its parameters hold, where its
+gradient is.  Each enum lives with its owner: ``TrainingState`` in ``fsdp.py``, ``HandleState`` in ``handle.py``,
+``GradState`` in ``gradient.py``; this page draws the three together (it holds no code).
 
 FSDP's hooks fire from autograd in an order the user's model decides; each state says what a hook
 may do next (as torch's ``TrainingState``).
@@ -32,31 +34,10 @@ One non-root FULL_SHARD unit through a synced step, its three states side by sid
     post-backward     POST_BACKWARD       SHARDED                     REDUCING (a GPU's: until the next
     final callback    IDLE                SHARDED                     SHARD     post-backward, or the end)
 
-On a CPU the post-backward hook waits for its own reduction: REDUCING never outlives the hook (``fsdp.py``).
+On a CPU the post-backward hook waits for its own reduction: REDUCING never outlives the hook (``gradient.py``).
 torch (``_common_utils.py``) splits the first into ``TrainingState`` per FSDP instance (IDLE,
 FORWARD_BACKWARD, SUMMON_FULL_PARAMS) and ``HandleTrainingState`` per handle (IDLE, FORWARD, BACKWARD_PRE,
 BACKWARD_POST, SUMMON_FULL_PARAMS); its handle is IDLE again between forward and backward, where ours says
 AWAITING_BACKWARD.  The other two torch reads off tensor sizes: ``FlatParamHandle.needs_unshard`` checks the
 full buffer's storage size, ``prepare_gradient_for_backward`` compares ``.grad``'s size with the shard's.
 """
-
-from enum import Enum, auto
-
-
-class TrainingState(Enum):
-    IDLE = auto()  # between steps: the local shard only (the root may keep its full parameters)
-    FORWARD = auto()  # inside its forward: full parameters gathered, the module's names point into them
-    AWAITING_BACKWARD = auto()  # forward done, outputs need a gradient; parameters freed again (FULL_SHARD)
-    PRE_BACKWARD = auto()  # autograd reached its outputs: parameters gathered again, its gradient computing
-    POST_BACKWARD = auto()  # its full gradient went to the reduce-scatter
-    SUMMON_FULL_PARAMS = auto()  # inside summon_full_params: full parameters, outside autograd
-
-class HandleState(Enum):
-    SHARDED = auto()  # the full buffer's storage is 0 bytes: this rank holds its 1/N shard only
-    GATHERING = auto()  # an all-gather into the full buffer is in flight (e.g. a prefetch)
-    UNSHARDED = auto()  # the full buffer holds every rank's shard: the whole flat parameter
-
-class GradState(Enum):
-    SHARD = auto()  # in flat_param.grad as this rank's reduced shard (or None): what the optimizer steps
-    UNSHARDED = auto()  # whole, summed over no_sync backwards, shown as flat_param.grad
-    REDUCING = auto()  # a reduce-scatter (NO_SHARD: all-reduce) of the whole gradient is in flight

@@ -75,8 +75,8 @@ class ShardingPlan:
     shards_params: bool  # between uses each rank keeps 1/N of the flat parameter (else the whole of it)
     frees_after_forward: bool  # a non-root unit frees its full parameters when its forward ends
     frees_after_backward: bool  # ... when its backward ends (under no_sync only if it frees after forward too)
-    reduce_scatter_in: str | None  # the group that reduce-scatters the gradient ("shard group"), or None
-    all_reduce_in: str | None  # the group that all-reduces it: "process group" (NO_SHARD), "replicate group"
+    reduce_scatters: bool  # the gradient is reduce-scattered in the shard group (else all-reduced whole)
+    all_reduces: bool  # ... all-reduced: NO_SHARD's whole, in the process group; HYBRID's shard, over the replicas
     zero_stage: str  # the ZeRO paper's name for it
     data_parallel_size: int | None = None  # N: every rank that holds a part of the same model
 
@@ -89,7 +89,7 @@ class ShardingPlan:
     @property
     def two_groups(self) -> bool:
         """Sharded inside a group of ranks and replicated across groups (HYBRID): two process groups."""
-        return self.all_reduce_in == "replicate group"
+        return self.reduce_scatters and self.all_reduces
 
     def on(self, groups) -> "ShardingPlan":
         """This plan for ``groups`` (N known); a shard group of one rank has nothing to shard: NO_SHARD, with a
@@ -110,8 +110,8 @@ class ShardingPlan:
         return pre, self.data_parallel_size / pre
 
     def __str__(self) -> str:
-        reduce = [f"reduce-scatter in the {self.reduce_scatter_in}"] * bool(self.reduce_scatter_in)
-        reduce += [f"all-reduce in the {self.all_reduce_in}"] * bool(self.all_reduce_in)
+        reduce = ["reduce-scatter in the shard group"] * self.reduce_scatters
+        reduce += [f"all-reduce in the {'replicate' if self.reduce_scatters else 'process'} group"] * self.all_reduces
         yes = {True: "yes", False: "no"}
         rows = [("parameters sharded", yes[self.shards_params]), ("free after forward", yes[self.frees_after_forward]),
                 ("free after backward", yes[self.frees_after_backward]), ("gradient", ", then ".join(reduce)),
@@ -123,12 +123,11 @@ class ShardingPlan:
 
 S = ShardingStrategy
 _PLANS = {  # the table of the module docstring, one row each
-    S.FULL_SHARD: ShardingPlan(S.FULL_SHARD, True, True, True, "shard group", None, "3"),
-    S.SHARD_GRAD_OP: ShardingPlan(S.SHARD_GRAD_OP, True, False, True, "shard group", None, "2"),
-    S.NO_SHARD: ShardingPlan(S.NO_SHARD, False, False, False, None, "process group", "- (as DDP)"),
-    S.HYBRID_SHARD: ShardingPlan(S.HYBRID_SHARD, True, True, True, "shard group", "replicate group",
-                                 "3 in the shard group"),
-    S._HYBRID_SHARD_ZERO2: ShardingPlan(S._HYBRID_SHARD_ZERO2, True, False, True, "shard group", "replicate group",
+    S.FULL_SHARD: ShardingPlan(S.FULL_SHARD, True, True, True, True, False, "3"),
+    S.SHARD_GRAD_OP: ShardingPlan(S.SHARD_GRAD_OP, True, False, True, True, False, "2"),
+    S.NO_SHARD: ShardingPlan(S.NO_SHARD, False, False, False, False, True, "- (as DDP)"),
+    S.HYBRID_SHARD: ShardingPlan(S.HYBRID_SHARD, True, True, True, True, True, "3 in the shard group"),
+    S._HYBRID_SHARD_ZERO2: ShardingPlan(S._HYBRID_SHARD_ZERO2, True, False, True, True, True,
                                         "2 in the shard group"),
 }
 
@@ -137,10 +136,11 @@ class ShardGroups:
     """``shard``: the ranks that split a unit; ``replicate``: ranks holding the same shard (HYBRID) or None."""
     shard: dist.ProcessGroup  # all-gathers and reduce-scatters run here
     replicate: dist.ProcessGroup | None = None  # HYBRID's second all-reduce runs here
-    shard_rank = property(lambda self: dist.get_rank(self.shard))  # this rank's place in the shard group
-    shard_size = property(lambda self: dist.get_world_size(self.shard))  # the N of a shard: 1/N each
-    data_parallel_size = property(lambda self: self.shard_size * (  # N: shard x replicate
-        dist.get_world_size(self.replicate) if self.replicate is not None else 1))
+
+    def __post_init__(self):  # this rank's place in the shard group; its size (1/N each); N: shard x replicate
+        self.shard_rank, self.shard_size = dist.get_rank(self.shard), dist.get_world_size(self.shard)
+        replicas = dist.get_world_size(self.replicate) if self.replicate is not None else 1
+        self.data_parallel_size = self.shard_size * replicas
 
 def resolve_groups(plan: ShardingPlan, process_group) -> ShardGroups:
     """``process_group`` (a group, None for all ranks, or HYBRID's ``(shard, replicate)``) -> ShardGroups.
