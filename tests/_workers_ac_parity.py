@@ -70,6 +70,10 @@ CASES_2 = {
     # unit, whose recompute then runs before its own pre-backward, on the views that prefetch made
     **{f"{a}-linear-units-orig{int(o)}": _case(ONE, a, orig=o, units="Linear")
        for a in ("non_reentrant", "reentrant") for o in (True, False)},
+    # the same with forward_prefetch (the fuzzer's seed 100349): the checkpointed unit's forward, under no_grad,
+    # prefetches the head, whose views must still carry autograd's graph, or the head gets no gradient
+    **{f"reentrant-linear-units-forward-prefetch-orig{int(o)}": _case(ONE, "reentrant", orig=o, units="Linear",
+                                                                      forward_prefetch=True) for o in (True, False)},
     # a unit called twice: non-reentrant (and reentrant where torch gets it right: NO_SHARD without orig params)
     **{f"non_reentrant-twice-{s}-orig{int(o)}": _case(TWICE, "non_reentrant", s, o)
        for s in ("FULL_SHARD", "NO_SHARD") for o in (True, False)},

@@ -213,6 +213,7 @@ class OrigParams(Extension):
             h.flat_param.grad = None  # the optimizer's zero_grad() reached the originals: the flat gradient too
         self.use_unsharded_views(unit, registered=unit.training_state is TrainingState.FORWARD)
 
+    @torch.enable_grad()  # as the core's (torch's _use_unsharded_views too): a prefetch may run under no_grad
     def use_unsharded_views(self, unit, registered: bool) -> None:
         """Views of the full buffer (a frozen original's too, in autograd: Note (frozen originals)); in the forward
         registered too, so that

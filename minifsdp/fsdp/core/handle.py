@@ -185,6 +185,7 @@ class FlatParamHandle:
                 self.unsharded.register_post_accumulate_grad_hook(self.post_backward_hook)
 
     # ------------------------------------------------------------------ where the module's names point
+    @torch.enable_grad()  # a forward prefetch may run under no_grad (a reentrant checkpoint's): views need a graph
     def use_unsharded_views(self) -> None:
         """Forward: every original name is a view of the full buffer (autograd flows to it); a tied weight's
         second name gets the *same* view, so both uses' gradients sum."""
