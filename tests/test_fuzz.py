@@ -197,6 +197,13 @@ PINNED = {
         world_size=4).replace(steps=[*(({"op": "train", "clip": None, "set_to_none": True},) * 2),
                                      {"op": "state_dict", "type": "LOCAL", "rank0_only": False, "offload": False,
                                       "load": True}]),
+    # blocks.0 runs again after blocks.1, each block checkpointed (reentrant) and a unit
+    "unit_called_twice_under_reentrant_checkpointing": _pinned(ac="reentrant", use_orig_params=True).replace(
+        model=dict(_pinned().model, repeat=0)),
+    # the embedding's weight tied to the head's, each Linear a unit of its own (the head's unit flattens it first)
+    "tied_weight_across_sharded_units_refused_at_wrapping": _pinned(use_orig_params=True).replace(
+        model=dict(_pinned().model, input="tokens", tie=True),
+        wrap={"policy": "module", "classes": ["Linear"], "min_num_params": 1, "manual": [], "ignored": []}),
 }
 # the ranks where a pinned program differs (every rank unless named)
 DIFFERING_RANKS = {"local_state_dict_under_hybrid_shard": (2, 3)}
@@ -316,6 +323,22 @@ def test_pinned_local_state_dict_under_hybrid_shard_torch_raises_outside_the_fir
     for rank in (2, 3):
         assert first_difference(recs[rank]["ours"]["steps"][i]["state"], recs[rank - 2]["ours"]["steps"][i]["state"]) \
             is None
+
+
+def test_pinned_unit_called_twice_under_reentrant_checkpoint_torch_raises_ours_trains(pinned):
+    for rec in pinned["unit_called_twice_under_reentrant_checkpointing"]:
+        assert rec["torch"]["error"][:2] == (0, "RuntimeError"), rec["torch"]["error"]
+        assert "mat2 must be a matrix" in rec["torch"]["error"][2]
+        assert rec["ours"]["error"] is None
+        assert len(rec["ours"]["steps"]) == len(PINNED["unit_called_twice_under_reentrant_checkpointing"].steps)
+        assert all(s["loss"] == s["loss"] for s in rec["ours"]["steps"])  # finite: not NaN
+
+
+def test_pinned_tied_weight_across_sharded_units_torch_fails_at_the_forward_ours_at_wrapping(pinned):
+    for rec in pinned["tied_weight_across_sharded_units_refused_at_wrapping"]:
+        assert rec["torch"]["error"][:2] == (0, "RuntimeError"), rec["torch"]["error"]
+        assert rec["ours"]["error"][:2] == (-1, "ValueError"), rec["ours"]["error"]  # -1: at wrapping
+        assert "'inp.weight' is the same parameter as 'head.weight'" in rec["ours"]["error"][2]
 
 
 # ---------------------------------------------------------------------- the command

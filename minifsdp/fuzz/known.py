@@ -61,6 +61,20 @@ def _local_hybrid_placement(program, d) -> bool:
             and "does not exist in input process group" in d[2])
 
 
+def _twice_under_reentrant_checkpoint(program, d) -> bool:
+    """torch raises in the backward of a unit called twice under reentrant checkpointing; ours trains."""
+    return (program.impl == "fsdp1" and program.options.get("ac") == "reentrant"
+            and program.model.get("repeat") is not None and d[0] == "error"
+            and d[2].startswith("ours raised nothing vs torch raised RuntimeError at step "))
+
+
+def _tied_refused_at_wrapping(program, d) -> bool:
+    """Ours refuses a weight tied across sharded units with use_orig_params at wrapping; torch fails at step 0."""
+    return (program.impl == "fsdp1" and program.options["use_orig_params"] and program.model.get("tie")
+            and d[0] == "error" and d[2].startswith("ours raised ValueError at wrapping: ")
+            and "tied across sharded units" in d[2] and " vs torch raised RuntimeError at step 0: " in d[2])
+
+
 def _step_index(program, where: str) -> int | None:
     return int(where.split()[1]) if where.startswith("step ") else len(program.steps) if where == "final" else None
 
@@ -135,6 +149,21 @@ KNOWN: list[Known] = [
           "rank outside the first group raises 'Global rank 0 does not exist in input process group: [2, 3]'. Ours "
           "places it at the global rank (state_dict_type.py) and returns and loads the dict on every rank.",
           _local_hybrid_placement),
+    Known("unit_called_twice_under_reentrant_checkpointing",
+          "A unit called twice in one forward, inside blocks checkpointed with CheckpointImpl.REENTRANT: torch runs "
+          "the unit's pre-backward once per backward, but the reentrant recompute runs the unit's forward and "
+          "post-backward once per call, so the second recompute reads the parameters the first call's post-backward "
+          "freed ('setStorage ... storage of size 0'; with use_orig_params the 1-D sharded views: 'mat2 must be a "
+          "matrix'). Ours gathers for each recompute and reduces each call's part; it trains as torch trains without "
+          "checkpointing, within one rounding (tests/test_fsdp_checkpointing_parity.py).",
+          _twice_under_reentrant_checkpoint),
+    Known("tied_weight_across_sharded_units_refused_at_wrapping",
+          "use_orig_params=True and a weight tied across sharded units (an embedding in one unit, the head that "
+          "shares it in another): torch marks it flattened by the first unit, the second skips it and its module "
+          "keeps the original, whose .data is then a 1-D piece of the shard, so torch fails at the first forward "
+          "(\"'weight' must be 2-D\"; _init_utils._get_orig_params). Ours refuses at wrapping, naming both names "
+          "and the fix (checks.py, check_ties_across_units): the same program fails, one step earlier and saying why.",
+          _tied_refused_at_wrapping),
     Known("full_state_dict_offload_on_cpu",
           "FULL_STATE_DICT with FullStateDictConfig(offload_to_cpu=True) on a sharded CPU run: torch's values are "
           "views of the unit's gathered flat parameter, which it frees on leaving the unshard ('tensor.cpu()' makes no "
