@@ -341,6 +341,16 @@ def test_pinned_tied_weight_across_sharded_units_torch_fails_at_the_forward_ours
         assert "'inp.weight' is the same parameter as 'head.weight'" in rec["ours"]["error"][2]
 
 
+def test_a_crash_is_named_by_the_rank_that_died_not_by_its_peers():
+    """The campaign's verdict on a crashed side reads the blamed rank's line: the known entries match on it."""
+    from minifsdp.fuzz.campaign import _crash_line
+    died = RuntimeError("rank 1 killed by signal SIGSEGV.\n(rank 2 also failed: RuntimeError: [gloo] Connection closed"
+                        " by peer)\n(rank 3 also failed: RuntimeError: Connection closed by peer)")
+    assert _crash_line(died) == "rank 1 killed by signal SIGSEGV."
+    raised = RuntimeError("Traceback (most recent call last):\n  File x\nValueError: bad\n(rank 0 also failed: y)")
+    assert _crash_line(raised) == "ValueError: bad"
+
+
 # ---------------------------------------------------------------------- the command
 def test_the_command_refuses_bad_counts_with_the_flag_named(capsys):
     from minifsdp.tools.cli import main

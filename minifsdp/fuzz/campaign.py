@@ -79,8 +79,15 @@ def run_batch(programs: list[Program], timeout_s: float | None = None) -> list[O
     return outcomes + (run_batch(rest) if rest else [])
 
 
+def _crash_line(e: Exception) -> str:
+    """The blamed rank's last line ("rank 1 killed by signal SIGSEGV.", or its exception), not the lines that
+    name the ranks which merely lost their peer after it ("(rank 2 also failed: ... Connection closed ...)")."""
+    lines = [x for x in str(e).splitlines() if x.strip() and not x.startswith("(rank ")]
+    return (lines[-1] if lines else str(e))[:300]
+
+
 def _crashed(program: Program, e: Exception) -> Outcome:
-    line = next((x for x in reversed(str(e).splitlines()) if x.strip()), str(e))[:300]
+    line = _crash_line(e)
     return Outcome(program, [("crash", "program", line)], {}, crash=line)
 
 
@@ -94,7 +101,7 @@ def _sides_apart(program: Program) -> Outcome:
                              timeout_s=120.0)
             records[side] = [r[0]["record"] for r in per_rank]
         except RankFailedError as e:  # a rank died (a signal): the side "raised" a crash at a step unknown
-            line = next((x for x in reversed(str(e).splitlines()) if x.strip()), str(e))[:300]
+            line = _crash_line(e)
             crashed = {"wrapped": None, "steps": [], "final": None, "error": (None, "crash", line)}
             records[side] = [crashed] * program.world_size
     ops = [s["op"] for s in program.steps]
