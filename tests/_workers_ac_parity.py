@@ -45,6 +45,11 @@ SEED25 = {"batch": 6, "container": "moduledict", "d": 6, "d_in": 3, "d_out": 5, 
                      {"hidden": 6, "kind": "twice", "ret": "dict_subclass"},
                      {"hidden": 3, "kind": "nested", "ret": "dict_subclass",
                       "children": [{"hidden": 6, "kind": "conv", "ret": "tuple"}]}]}
+# the fuzzer's seed 100510: two norm blocks and a block using its Linear twice; blocks.b0 runs again at the end
+SEED100510 = dict(_BASE, container="moduledict", d=7, d_out=3, repeat=0,
+                  blocks=[{"kind": "norm", "hidden": 3, "ret": "tensor"},
+                          {"kind": "norm", "hidden": 3, "ret": "tensor"},
+                          {"kind": "twice", "hidden": 3, "ret": "namedtuple"}])
 ROOT_KEEPS_BLOCK0 = ("blocks.1", "blocks.2")
 
 
@@ -74,6 +79,10 @@ CASES_2 = {
     # prefetches the head, whose views must still carry autograd's graph, or the head gets no gradient
     **{f"reentrant-linear-units-forward-prefetch-orig{int(o)}": _case(ONE, "reentrant", orig=o, units="Linear",
                                                                       forward_prefetch=True) for o in (True, False)},
+    # NO_SHARD (the fuzzer's seed 100510): the prefetch gathers nothing but still makes the next unit's views, so
+    # the head's all-reduce comes after the checkpointed blocks' recomputed ones, as torch's
+    "reentrant-linear-units-forward-prefetch-NO_SHARD-orig0": _case(SEED100510, "reentrant", "NO_SHARD", False,
+                                                                     units="Linear", forward_prefetch=True),
     # a unit called twice: non-reentrant (and reentrant where torch gets it right: NO_SHARD without orig params)
     **{f"non_reentrant-twice-{s}-orig{int(o)}": _case(TWICE, "non_reentrant", s, o)
        for s in ("FULL_SHARD", "NO_SHARD") for o in (True, False)},

@@ -206,7 +206,8 @@ class FullyShardedDataParallel(Unit):
         step = self._root._root_step
         step.order.record_pre_forward(self)
         if h is not None:
-            prefetched = h.state is HandleState.GATHERING  # its views made then (prefetch.py, Note (views))
+            prefetched = h.views_prefetched or h.state is HandleState.GATHERING  # prefetch.py, Note (views)
+            h.views_prefetched = False
             self._unshard()
             if not prefetched:  # module.weight ... become views of the full buffer, as the module expects
                 h.use_unsharded_views()
@@ -360,10 +361,10 @@ class FullyShardedDataParallel(Unit):
     def _prefetch(self, next_of, in_backward: bool) -> None:
         """torch's ``_prefetch_handle``: start the all-gather of ``next_of(self)``, the unit the recorded order says
         comes next, if it needs one (still SHARDED: not there, nor on its way) and, in the backward, if its backward is
-        still to come (torch's ``_get_handle_to_prefetch``); in the forward, make its views too, the target in
-        FORWARD state meanwhile (``prefetch.py``, Note (views))."""
-        target = next_of(self)
-        if target is None or target._handle is None or target._handle.state is not HandleState.SHARDED:
+        still to come (torch's ``_get_handle_to_prefetch``); in the forward, make its views too (NO_SHARD's: only
+        them), the target in FORWARD state meanwhile, once per forward (``prefetch.py``, Note (views))."""
+        h = getattr(target := next_of(self), "_handle", None)  # (forward: a gathered unit still gets views here)
+        if h is None or h.state is not HandleState.SHARDED and (in_backward or h.views_prefetched):
             return
         if in_backward and target.training_state is TrainingState.AWAITING_BACKWARD:
             target._start_unshard(prefetch=True)
@@ -371,6 +372,7 @@ class FullyShardedDataParallel(Unit):
             before, target.training_state = target.training_state, TrainingState.FORWARD
             target._start_unshard(prefetch=True)
             target._handle.use_unsharded_views()
+            target._handle.views_prefetched = True
             for ext in target._extensions:
                 ext.after_unshard(target)
             target.training_state = before

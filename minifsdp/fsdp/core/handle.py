@@ -103,6 +103,7 @@ class FlatParamHandle:
             self.state = HandleState.UNSHARDED
         # while GATHERING (work, the shard being sent); shard_version() at the last gather (stale() reads it):
         self.gathering = self.gathered_from = None
+        self.views_prefetched = False  # a forward prefetch made the views: the unit's own pre-forward keeps them
         self.name = "unit"  # its module path, set by the root (for messages and traces)
         self.gradient = UnitGradient(self)
         # what autograd calls once the full gradient is summed (the step's post-backward hook); its registration
@@ -158,6 +159,7 @@ class FlatParamHandle:
         """Free the full buffer if ``free``; NO_SHARD's low-precision compute copy is freed every time
         (torch's ``FlatParamHandle.reshard(free_unsharded_flat_param)`` and ``post_reshard``)."""
         self.wait_unshard()  # never free a buffer an all-gather is still writing
+        self.views_prefetched = False  # (torch's _reshard: _prefetched = False, freed or not)
         if self.frees and self.state is HandleState.UNSHARDED and (free or self.casts_unsharded):
             self.padded.untyped_storage().resize_(0)
             self.state = HandleState.SHARDED
