@@ -127,13 +127,13 @@ def format_view(view: FlatVsRows) -> str:
              f"rank, {view.flat_padding:,} of padding at the end",
              f"FSDP2 (rows of dim 0, ceil({shape[0]}/{n}) = {view.chunk} per rank): "
              f"{view.rows_padding:,} numbers of padding ({view.rows_padding // view.row_numel} padding rows)",
-             f"{'rank':<5}{'FSDP1 flat slice':<46}{'pad':>5}   {'FSDP2 rows':<14}{'local shape':<16}{'pad rows':>8}"]
+             f"{'rank':<5}{'FSDP1 flat slice':<48}{'pad':>5}   {'FSDP2 rows':<14}{'local shape':<16}{'pad rows':>8}"]
     for r, (f, c) in enumerate(zip(view.flat, view.rows, strict=True)):
         held = min(f.end, view.numel) - f.start
         where = (f"[{f.start:,}, {f.end:,}) = {_where(view, f.start)} .. {_where(view, f.start + held - 1)}"
                  if held > 0 else f"[{f.start:,}, {f.end:,}) = padding only")
         rows = f"[{c.start}, {c.end})" if c.end > c.start else "none"
-        lines.append(f"{r:<5}{where:<46}{f.padding:>5}   {rows:<14}{str(c.local_shape):<16}{c.padding_rows:>8}")
+        lines.append(f"{r:<5}{where:<48}{f.padding:>5}   {rows:<14}{str(c.local_shape):<16}{c.padding_rows:>8}")
     return "\n".join(lines)
 
 
