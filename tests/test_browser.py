@@ -5,7 +5,8 @@ nbval checks what the notebooks *print*; it never draws them.  This checks what 
 * every notebook opens in JupyterLab with its Chinese chapter heading drawn in a real CJK font (not
   the empty boxes a machine without one shows), and every committed plot image decodes;
 * a widget works: notebook 02's ring slider, run in the browser's own kernel, redraws the ring when
-  the slider moves;
+  the slider moves; notebook 05's explorer (``minifsdp/explorers/``) prints, after a slider moves and a shape is
+  typed, exactly what the library computes for the new setting;
 * whole notebooks run in the browser's kernel (Run > Run All Cells), top to bottom: every code cell runs
   once, in order, with no error output, read back from the file JupyterLab saves (the check is first
   shown catching a planted ``raise``).  CI runs notebooks 01 and 05, the ones whose browser run takes
@@ -289,3 +290,50 @@ def test_the_ring_slider_redraws_in_the_browser(page, lab):
     page.wait_for_function("([c, s]) => { const i = c.querySelector('.jp-OutputArea-output img');"
                            " return i && i.getAttribute('src') !== s; }",
                            arg=[cells.nth(target).element_handle(), before], timeout=60_000)
+
+
+def _widget_text(cell) -> str:
+    """The text an explorer's panel printed in its output area, as the page shows it."""
+    return cell.locator(".widget-output").first.inner_text()
+
+
+def _shows(text: str, expected: str) -> bool:
+    return all(line.strip() in text for line in expected.splitlines() if line.strip())
+
+
+@pytest.mark.timeout(400)
+def test_an_explorer_redraws_what_the_library_computes_for_the_new_setting(page, lab):
+    """Notebook 05's explorer, run by JupyterLab's own kernel: moving N and typing a shape each print what
+    ``flat_vs_rows.compute`` gives for the new setting (computed here, in the test's process)."""
+    from minifsdp.explorers import flat_vs_rows
+
+    expected = {key: flat_vs_rows.format_view(flat_vs_rows.compute(setting)) for key, setting in
+                {"default": {}, "N + 1": {"world_size": flat_vs_rows.DEFAULT["world_size"] + 1},
+                 "typed": {"world_size": flat_vs_rows.DEFAULT["world_size"] + 1, "shape": "7, 3"}}.items()}
+    assert len(set(expected.values())) == 3  # three different texts: a change is seen
+    nb = json.loads((ROOT / "notebooks" / "05_fsdp_future.ipynb").read_text())
+    target = next(i for i, c in enumerate(nb["cells"])
+                  if c["cell_type"] == "code" and "flat_vs_rows.show(" in "".join(c["source"]))
+    panel = _open(page, lab, "05_fsdp_future.ipynb")
+    cell = panel.locator(".jp-Cell").nth(target)
+    cell.click()
+    page.keyboard.press("Escape")  # command mode
+    page.keyboard.press("Shift+Enter")  # the cell alone: it imports what it needs
+    cell.locator(".widget-slider .noUi-handle").first.wait_for(timeout=180_000)
+    shows = "([c, lines]) => { const o = c.querySelector('.widget-output');" \
+            " return o && lines.every(l => o.innerText.includes(l)); }"
+
+    def wait_for(key: str) -> None:
+        lines = [line.strip() for line in expected[key].splitlines() if line.strip()]
+        page.wait_for_function(shows, arg=[cell.element_handle(), lines], timeout=60_000)
+        assert _shows(_widget_text(cell), expected[key]), key
+
+    wait_for("default")
+    cell.locator(".noUi-handle").first.focus()
+    page.keyboard.press("ArrowRight")
+    wait_for("N + 1")
+    box = cell.locator(".widget-text input").first
+    box.fill("7, 3")
+    box.press("Enter")
+    wait_for("typed")
+    assert not _shows(_widget_text(cell), expected["default"])
