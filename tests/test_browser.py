@@ -5,8 +5,8 @@ nbval checks what the notebooks *print*; it never draws them.  This checks what 
 * every notebook opens in JupyterLab with its Chinese chapter heading drawn in a real CJK font (not
   the empty boxes a machine without one shows), and every committed plot image decodes;
 * a widget works: notebook 02's ring slider, run in the browser's own kernel, redraws the ring when
-  the slider moves; notebook 05's explorer (``minifsdp/explorers/``) prints, after a slider moves and a shape is
-  typed, exactly what the library computes for the new setting;
+  the slider moves; each explorer (``minifsdp/explorers/``, in notebooks 02 and 05) prints, after a slider moves
+  (and a shape is typed), exactly what the library computes for the new setting;
 * whole notebooks run in the browser's kernel (Run > Run All Cells), top to bottom: every code cell runs
   once, in order, with no error output, read back from the file JupyterLab saves (the check is first
   shown catching a planted ``raise``).  CI runs notebooks 01 and 05, the ones whose browser run takes
@@ -301,24 +301,36 @@ def _shows(text: str, expected: str) -> bool:
     return all(line.strip() in text for line in expected.splitlines() if line.strip())
 
 
-@pytest.mark.timeout(400)
-def test_an_explorer_redraws_what_the_library_computes_for_the_new_setting(page, lab):
-    """Notebook 05's explorer, run by JupyterLab's own kernel: moving N and typing a shape each print what
-    ``flat_vs_rows.compute`` gives for the new setting (computed here, in the test's process)."""
-    from minifsdp.explorers import flat_vs_rows
+EXPLORERS = [  # (notebook, explorer module, the setting after the first slider moves one step right)
+    ("05_fsdp_future.ipynb", "flat_vs_rows", {"world_size": 6}),
+    ("02_fsdp_core.ipynb", "shard_layout", {"world_size": 4}),
+    ("02_fsdp_core.ipynb", "ring_time", {"message_bytes": 2**21}),
+]
 
-    expected = {key: flat_vs_rows.format_view(flat_vs_rows.compute(setting)) for key, setting in
-                {"default": {}, "N + 1": {"world_size": flat_vs_rows.DEFAULT["world_size"] + 1},
-                 "typed": {"world_size": flat_vs_rows.DEFAULT["world_size"] + 1, "shape": "7, 3"}}.items()}
-    assert len(set(expected.values())) == 3  # three different texts: a change is seen
-    nb = json.loads((ROOT / "notebooks" / "05_fsdp_future.ipynb").read_text())
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("notebook, name, moved", EXPLORERS, ids=[e[1] for e in EXPLORERS])
+def test_an_explorer_redraws_what_the_library_computes_for_the_new_setting(page, lab, notebook, name, moved):
+    """An explorer's cell, run alone by JupyterLab's own kernel (it imports what it needs): its first slider moved
+    one step (and, for the shape explorer, a shape typed), the panel prints what the explorer's ``compute`` gives
+    for each new setting, formatted as the panel formats it, both computed here in the test's process."""
+    import importlib
+
+    module = importlib.import_module(f"minifsdp.explorers.{name}")
+    text = {"flat_vs_rows": "format_view", "shard_layout": "format_view", "ring_time": "format_times"}[name]
+    settings = {"default": {}, "moved": moved}
+    if name == "flat_vs_rows":
+        settings["typed"] = {**moved, "shape": "7, 3"}
+    expected = {key: getattr(module, text)(module.compute(setting)) for key, setting in settings.items()}
+    assert len(set(expected.values())) == len(expected)  # different texts: a change is seen
+    nb = json.loads((ROOT / "notebooks" / notebook).read_text())
     target = next(i for i, c in enumerate(nb["cells"])
-                  if c["cell_type"] == "code" and "flat_vs_rows.show(" in "".join(c["source"]))
-    panel = _open(page, lab, "05_fsdp_future.ipynb")
+                  if c["cell_type"] == "code" and f"{name}.show(" in "".join(c["source"]))
+    panel = _open(page, lab, notebook)
     cell = panel.locator(".jp-Cell").nth(target)
     cell.click()
     page.keyboard.press("Escape")  # command mode
-    page.keyboard.press("Shift+Enter")  # the cell alone: it imports what it needs
+    page.keyboard.press("Shift+Enter")
     cell.locator(".widget-slider .noUi-handle").first.wait_for(timeout=180_000)
     shows = "([c, lines]) => { const o = c.querySelector('.widget-output');" \
             " return o && lines.every(l => o.innerText.includes(l)); }"
@@ -329,11 +341,12 @@ def test_an_explorer_redraws_what_the_library_computes_for_the_new_setting(page,
         assert _shows(_widget_text(cell), expected[key]), key
 
     wait_for("default")
-    cell.locator(".noUi-handle").first.focus()
+    cell.locator(".widget-slider .noUi-handle").first.focus()
     page.keyboard.press("ArrowRight")
-    wait_for("N + 1")
-    box = cell.locator(".widget-text input").first
-    box.fill("7, 3")
-    box.press("Enter")
-    wait_for("typed")
+    wait_for("moved")
+    if "typed" in expected:
+        box = cell.locator(".widget-text input").first
+        box.fill("7, 3")
+        box.press("Enter")
+        wait_for("typed")
     assert not _shows(_widget_text(cell), expected["default"])
