@@ -327,6 +327,8 @@ def test_an_explorer_redraws_what_the_library_computes_for_the_new_setting(page,
     target = next(i for i, c in enumerate(nb["cells"])
                   if c["cell_type"] == "code" and f"{name}.show(" in "".join(c["source"]))
     panel = _open(page, lab, notebook)
+    # a cell run before the kernel is up was sometimes never run (under load): wait for the kernel to be idle
+    panel.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(timeout=180_000)
     cell = panel.locator(".jp-Cell").nth(target)
     cell.click()
     page.keyboard.press("Escape")  # command mode
