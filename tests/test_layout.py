@@ -23,7 +23,7 @@ LAYERS = {
     "minifsdp.ddp": 2,
     "minifsdp.fsdp": 3, "minifsdp.memory": 3, "minifsdp.parallel": 3,
     "minifsdp.checkpoint": 4, "minifsdp.fsdp2": 4,
-    "minifsdp.tools": 5, "minifsdp.fuzz": 5,
+    "minifsdp.tools": 5, "minifsdp.fuzz": 5, "minifsdp.explorers": 5,
     "minifsdp.__main__": 6, "minifsdp": 6,
 }
 LOCAL_IMPORTS_ALLOWED = ("minifsdp.tools",)  # command-line and bench code may import lazily (start-up time)
@@ -471,3 +471,21 @@ def test_the_fsdp2_core_has_no_function_that_does_nothing_outside_its_protocol()
                 empty.append(f"{name}.py:{f.lineno} {f.name}")
     assert not empty, empty
     assert any("class Plugin(Protocol)" in p.read_text() for p in _fsdp2_core_files().values())
+
+
+def test_every_explorer_names_its_chapter_and_has_the_four_functions():
+    """An explorer serves one section of the book: its docstring's first line names the chapter (and section), and
+    it has ``compute`` (tested), ``panel``, ``fallback`` and ``show`` (what a notebook cell calls)."""
+    explorers = {m: p for m, p in MODULES.items()
+                 if m.startswith("minifsdp.explorers.") and m != "minifsdp.explorers.panel"}
+    assert len(explorers) >= 3, sorted(explorers)
+    bad = []
+    for name, path in explorers.items():
+        tree = ast.parse(path.read_text())
+        first = (ast.get_docstring(tree) or "").splitlines()[0]
+        functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if not re.match(r"Chapter \d(\.\d)?\b", first):
+            bad.append(f"{name}: first docstring line names no chapter: {first!r}")
+        if missing := {"compute", "panel", "fallback", "show"} - functions:
+            bad.append(f"{name}: no {sorted(missing)}")
+    assert not bad, bad
