@@ -63,7 +63,7 @@ def extended(nodeid: str) -> bool:
         return nodeid.split("[", 1)[1].rstrip("]") not in CI_FAULTS
     fuzz = re.match(r"tests/test_fuzz\.py::test_program_equals_torch\[(fsdp[12])-(\d+)\]$", nodeid)
     if fuzz:
-        return int(fuzz.group(2)) >= CI_FUZZ_SEEDS[fuzz.group(1)]
+        return CI_FUZZ_SEEDS[fuzz.group(1)] <= int(fuzz.group(2)) < 100000  # (campaign findings: default)
     return nodeid.startswith(_EXTENDED)
 
 

@@ -208,7 +208,7 @@ class FullyShardedDataParallel(Unit):
         if h is not None:
             prefetched = h.views_prefetched or h.state is HandleState.GATHERING  # prefetch.py, Note (views)
             h.views_prefetched = False
-            self._unshard()
+            h.wait_unshard() if prefetched else self._unshard()  # (prefetched: only wait, as torch)
             if not prefetched:  # module.weight ... become views of the full buffer, as the module expects
                 h.use_unsharded_views()
                 for ext in self._extensions:
