@@ -106,8 +106,9 @@ def _orig_params_optim_offload(program, d) -> bool:
     i = _step_index(program, d[1])
     if first is None or i is None or i < first:
         return False
-    return d[0] == "optim" if i == first else any(s["op"] == "optim_state_dict" and s["load"]
-                                                   for s in program.steps[first:i])
+    if d[0] == "optim" and i < len(program.steps) and program.steps[i]["op"] == "optim_state_dict":
+        return True  # any of them (a later one too: torch repeats the state each time)
+    return any(s["op"] == "optim_state_dict" and s["load"] for s in program.steps[first:i])
 
 
 def _plain_name(name: str) -> str:
