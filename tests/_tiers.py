@@ -55,6 +55,12 @@ _EXTENDED = (  # node-id prefixes: long runs whose subject a default-tier test a
     "tests/test_route.py::test_the_step_route_prints_its_own_count",  # the tool's count itself: a planted hop
     *(f"tests/test_browser.py::test_notebook_opens_with_its_chinese_heading_and_plots[{n}" for n in  # 01 stays
       ("02_", "03_", "04_", "05_", "06_")),
+    # siblings stay: the bitwise compare of fully_shard, the default compare CLI, the 0.72 budget, the gpt model
+    "tests/test_compare_fsdp2.py::test_bench_fsdp_ours_fsdp2_row_is_read_against_torch_fsdp2",
+    "tests/test_compare.py::test_compare_cli_prints_table_verdict_and_saves_png",
+    "tests/test_devices.py::test_gpu_suite_is_collected_here_and_says_why_it_skips",
+    "tests/exercises/projects/test_ac_budget.py::test_project_ac_budget_fits_with_the_fewest_blocks[0.85]",
+    "tests/test_memory_vs_torch.py::test_live_bytes_at_most_torch_fsdp1_at_2_ranks[mlp]",
 )
 
 
