@@ -208,6 +208,11 @@ PINNED = {
     "tied_weight_across_sharded_units_refused_at_wrapping": _pinned(use_orig_params=True).replace(
         model=dict(_pinned().model, input="tokens", tie=True),
         wrap={"policy": "module", "classes": ["Linear"], "min_num_params": 1, "manual": [], "ignored": []}),
+    # fp16 parameters, gradients kept in fp16, SGD (which takes them); the embedding and the head share a weight
+    "tied_weight_low_precision_grads_with_orig_params": _pinned(use_orig_params=True, mixed_precision={
+        "param_dtype": "fp16", "reduce_dtype": "fp32", "buffer_dtype": None, "keep_low_precision_grads": True,
+        "cast_forward_inputs": False, "cast_root_forward_inputs": True}).replace(
+        optimizer={"name": "sgd", "lr": 0.01}, model=dict(_pinned().model, input="tokens", tie=True)),
 }
 # the ranks where a pinned program differs (every rank unless named)
 DIFFERING_RANKS = {"local_state_dict_under_hybrid_shard": (2, 3)}
@@ -343,6 +348,15 @@ def test_pinned_tied_weight_across_sharded_units_torch_fails_at_the_forward_ours
         assert rec["torch"]["error"][:2] == (0, "RuntimeError"), rec["torch"]["error"]
         assert rec["ours"]["error"][:2] == (-1, "ValueError"), rec["ours"]["error"]  # -1: at wrapping
         assert "'inp.weight' is the same parameter as 'head.weight'" in rec["ours"]["error"][2]
+
+
+def test_pinned_tied_low_precision_grads_torch_refuses_the_tied_grad_ours_trains(pinned):
+    for rec in pinned["tied_weight_low_precision_grads_with_orig_params"]:
+        assert rec["torch"]["error"][:2] == (0, "RuntimeError") and "grad_dtype" in rec["torch"]["error"][2]
+        assert rec["ours"]["error"] is None
+        assert len(rec["ours"]["steps"]) == len(PINNED["tied_weight_low_precision_grads_with_orig_params"].steps)
+        grads = [g for _, g in rec["ours"]["steps"][0]["grads"] if g is not None]
+        assert grads and {str(g[1].dtype) for g in grads} == {"torch.float16"}, [str(g[1].dtype) for g in grads]
 
 
 def test_a_crash_is_named_by_the_rank_that_died_not_by_its_peers():

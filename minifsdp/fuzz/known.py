@@ -75,6 +75,14 @@ def _tied_refused_at_wrapping(program, d) -> bool:
             and "tied across sharded units" in d[2] and " vs torch raised RuntimeError at step 0: " in d[2])
 
 
+def _tied_low_precision_grads(program, d) -> bool:
+    """torch gives a tied original the kept fp16 gradient without its ``.data`` detour: autograd refuses it."""
+    mp = program.options.get("mixed_precision") or {}
+    return (program.impl == "fsdp1" and program.options["use_orig_params"] and program.model.get("tie")
+            and mp.get("keep_low_precision_grads") and mp.get("param_dtype") in ("fp16", "bf16")
+            and d[0] == "error" and "grad_dtype" in d[2] and " vs torch raised RuntimeError at step " in d[2])
+
+
 def _step_index(program, where: str) -> int | None:
     return int(where.split()[1]) if where.startswith("step ") else len(program.steps) if where == "final" else None
 
@@ -165,6 +173,14 @@ KNOWN: list[Known] = [
           "(\"'weight' must be 2-D\"; _init_utils._get_orig_params). Ours refuses at wrapping, naming both names "
           "and the fix (checks.py, check_ties_across_units): the same program fails, one step earlier and saying why.",
           _tied_refused_at_wrapping),
+    Known("tied_weight_low_precision_grads_with_orig_params",
+          "MixedPrecision(keep_low_precision_grads=True), use_orig_params=True and a weight tied inside one unit: "
+          "torch hands each fp32 original its low-precision gradient through `.data` (so autograd's dtype check is "
+          "not met), but the tied name gets `param.grad = prim_param.grad` directly "
+          "(_flat_param.FlatParamHandle._use_sharded_grad_views, its shared-parameters loop), which torch 2.13's "
+          "grad_dtype check refuses at the first backward. Ours gives the tied name the same low-precision gradient "
+          "as its first name, as the option documents; an optimizer that cannot take it (Adam's lerp) fails there.",
+          _tied_low_precision_grads),
     Known("full_state_dict_offload_on_cpu",
           "FULL_STATE_DICT with FullStateDictConfig(offload_to_cpu=True) on a sharded CPU run: torch's values are "
           "views of the unit's gathered flat parameter, which it frees on leaving the unshard ('tensor.cpu()' makes no "
