@@ -199,6 +199,17 @@ def case_rank0_only(api, strategy: str, orig: bool, model_cls: str) -> dict:
             "osd": state_dicts(api, model, opt, True)[1]}
 
 
+def case_replicas_apart(api, orig: bool) -> dict:
+    """NO_SHARD, each rank's optimizer state made its own after a step (as replicas whose gradients were never
+    reduced have it: a wrapped container the root iterates rather than calls): whose state each rank saves."""
+    model = wrap(api, Net(), "NO_SHARD", orig, ignored=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train(model, opt, 0, steps=1)
+    for state in opt.state.values():
+        state["exp_avg"].add_(dist.get_rank())
+    return {"osd": state_dicts(api, model, opt, rank0_only=False)[1]}
+
+
 SAVE_AFTER = (0, 1, 3)  # steps after whose update the scaler is saved: its tracker at 1 and 2 of 3, backed off
 SCALER_STEPS, INF_AT = 7, 3
 
@@ -238,7 +249,8 @@ def _torch_scaler():
     return ShardedGradScaler
 
 
-CASES = {"save_and_resume": case_save_and_resume, "rank0_only": case_rank0_only, "scaler": case_scaler_resume}
+CASES = {"save_and_resume": case_save_and_resume, "rank0_only": case_rank0_only, "scaler": case_scaler_resume,
+         "replicas_apart": case_replicas_apart}
 
 
 def run_cases(cases) -> dict:

@@ -17,6 +17,8 @@ flat parameter of the test model divides by 3: shards end in padding); HYBRID_SH
    torch's optimizer state dict gives AdamW's ``exp_avg`` equal to ``exp_avg_sq``; ours gives torch's own
    ``offload_to_cpu=False`` answer, and resumes exactly where torch's diverges.
 4. A ``ShardedGradScaler`` saved between two growth steps (and after a backoff) resumes as torch's.
+5. Under NO_SHARD every rank holds a whole optimizer state: each rank saves its own (torch gathers nothing
+   there), which shows when the replicas' states differ.
 """
 
 import pytest
@@ -28,7 +30,7 @@ from tests._workers_fsdp import assert_bitwise
 
 THREE = [("save_and_resume", "FULL_SHARD", False), ("save_and_resume", "FULL_SHARD", True),
          ("rank0_only", "NO_SHARD", False, "Net"), ("rank0_only", "FULL_SHARD", True, "BareRoot"),
-         ("scaler",)]
+         ("scaler",), ("replicas_apart", False), ("replicas_apart", True)]
 FOUR = [("save_and_resume", "HYBRID_SHARD", True)]  # (the flat-parameter path: FULL_SHARD on 3 ranks)
 SAVES = [c for c in THREE + FOUR if c[0] == "save_and_resume"]
 
@@ -93,7 +95,7 @@ def test_resume_through_optim_state_dict_as_torch(request, case):
         assert_bitwise(ours["resumed rank0_only=False"], ours["continued"], f"rank {rank} resumed vs continued")
 
 
-@pytest.mark.parametrize("case", [c for c in THREE + FOUR if c[0] != "scaler"], ids=_ids)
+@pytest.mark.parametrize("case", [c for c in THREE + FOUR if c[0] not in ("scaler", "replicas_apart")], ids=_ids)
 def test_rank0_only_keys_and_values_on_every_rank_as_torch(request, case):
     """The model's FULL state dict with ``rank0_only`` (ours with ``offload_to_cpu=True`` too) and the
     optimizer's, on every rank."""
@@ -134,6 +136,16 @@ def test_torch_orig_params_optim_state_dict_offloaded_on_cpu_repeats_exp_avg_sq(
         assert_bitwise(ours["osd offload"], theirs["osd rank0_only=False"], f"rank {rank} ours vs torch's right")
         assert theirs["resumed offload"]["losses"][1] != theirs["continued"]["losses"][1]
         assert_bitwise(ours["resumed offload"], theirs["continued"], f"rank {rank} ours resumed vs continued")
+
+
+@pytest.mark.parametrize("case", [c for c in THREE if c[0] == "replicas_apart"], ids=_ids)
+def test_no_shard_optimizer_state_is_each_rank_s_own_as_torch(request, case):
+    per_rank = _per_rank(request, case)
+    assert len(per_rank) == 3
+    for rank, (ours, theirs) in enumerate(per_rank):
+        assert_bitwise(ours["osd"], theirs["osd"], f"rank {rank}")
+    firsts = [next(iter(o["osd"]["state"].values()))["exp_avg"] for o, _ in per_rank]
+    assert not torch.equal(firsts[0], firsts[2])  # the ranks' own states differ: the test can tell whose is saved
 
 
 def test_grad_scaler_saved_between_growth_steps_resumes_as_torch(request):

@@ -103,15 +103,19 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
                         mine.append((fqn, k, dst, v.detach().reshape(-1)[src_lo:src_hi].clone()))
                     else:
                         mine.append((fqn, k, None, v.detach().clone() if torch.is_tensor(v) else v))
-    everyone = [mine]
+    everyone, me = [mine], 0
     if dist.is_initialized():
         over = _group(model) if units(model) else group  # the pieces live in the shard group
-        everyone = [None] * dist.get_world_size(over)
+        everyone, me = [None] * dist.get_world_size(over), dist.get_rank(over)
         dist.all_gather_object(everyone, mine, group=over)
         if rank0_only and dist.get_rank(group) != 0:
             return {}
     shapes, state = table.shapes, {}
-    for fqn, k, dst, v in (item for per_rank in everyone for item in per_rank):
+    # A NO_SHARD unit's state is whole on every rank: each rank gives its own, as torch (which gathers nothing
+    # there, ``_gather_all_orig_param_state``); the replicas agree unless their gradients were never reduced.
+    whole = {r.fqn for r in table.rows if r.unit >= 0 and table.units[r.unit]["strategy"] == "NO_SHARD"}
+    for fqn, k, dst, v in (item for rank, per_rank in enumerate(everyone) for item in per_rank
+                           if rank == me or item[0] not in whole):
         d = state.setdefault(fqn, {})
         if dst is None:
             d.setdefault(k, v)
