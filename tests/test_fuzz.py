@@ -213,6 +213,9 @@ PINNED = {
         "param_dtype": "fp16", "reduce_dtype": "fp32", "buffer_dtype": None, "keep_low_precision_grads": True,
         "cast_forward_inputs": False, "cast_root_forward_inputs": True}).replace(
         optimizer={"name": "sgd", "lr": 0.01}, model=dict(_pinned().model, input="tokens", tie=True)),
+    # NO_SHARD; the blocks' Sequential is one unit, which the root iterates (its own forward never runs)
+    "unit_called_outside_its_forward": _pinned(sharding_strategy="NO_SHARD").replace(
+        wrap={"policy": "manual", "classes": ["Block"], "min_num_params": 1, "manual": ["blocks"], "ignored": []}),
 }
 # the ranks where a pinned program differs (every rank unless named)
 DIFFERING_RANKS = {"local_state_dict_under_hybrid_shard": (2, 3)}
@@ -357,6 +360,20 @@ def test_pinned_tied_low_precision_grads_torch_refuses_the_tied_grad_ours_trains
         assert len(rec["ours"]["steps"]) == len(PINNED["tied_weight_low_precision_grads_with_orig_params"].steps)
         grads = [g for _, g in rec["ours"]["steps"][0]["grads"] if g is not None]
         assert grads and {str(g[1].dtype) for g in grads} == {"torch.float16"}, [str(g[1].dtype) for g in grads]
+
+
+def test_pinned_unit_called_outside_its_forward_torch_drifts_ours_refuses(pinned):
+    recs = pinned["unit_called_outside_its_forward"]
+    assert len(recs) == 2
+    for rec in recs:
+        assert rec["torch"]["error"] is None or rec["torch"]["error"][0] > 0, rec["torch"]["error"]  # step 0 trains
+        assert rec["ours"]["error"][:2] == (0, "RuntimeError"), rec["ours"]["error"]
+        assert "forward is not running: its gradient would never be averaged" in rec["ours"]["error"][2]
+    # torch's replicas: the unit's gradients never averaged, so the two ranks' differ (the others agree)
+    grads = [dict(rec["torch"]["steps"][0]["grads"]) for rec in recs]
+    unit = [n for n in grads[0] if ".blocks." in n]
+    assert unit and all(not torch.equal(grads[0][n][1], grads[1][n][1]) for n in unit), unit
+    assert all(torch.equal(grads[0][n][1], grads[1][n][1]) for n in grads[0] if n not in unit)
 
 
 def test_a_crash_is_named_by_the_rank_that_died_not_by_its_peers():

@@ -38,6 +38,8 @@ Each unit gets its own extensions, in this order, at these points of the step (`
                      after_forward, after_backward   (root) the shards' versions at a forward, then forgotten
     BackwardExtras   before_forward   a frozen unit's reshard-only hook; after_backward removes it
                      after_unshard    the free before the gradients' concat
+    CalledOutsideItsUnit after_reshard  (once, at wrap) each module holding a parameter refuses a call while
+                                      its unit is idle (a wrapped container iterated, not called)
     OrigParams       on_wrap          the 16-byte alignment; the originals kept
     (use_orig_params before_unshard   the write-back of what the user changed
      =True)          after_unshard    views registered in the forward, plain in the pre-backward, the originals
@@ -62,6 +64,7 @@ from minifsdp.fsdp import deferred_init, optim_state, pitfalls
 from minifsdp.fsdp import state_dict_type as sd_type
 from minifsdp.fsdp import torch_options as opts
 from minifsdp.fsdp.backward_extras import BackwardExtras
+from minifsdp.fsdp.called_outside import CalledOutsideItsUnit
 from minifsdp.fsdp.checks import check_layer_cls_matches, install_optimizer_check
 from minifsdp.fsdp.core import fsdp as core
 from minifsdp.fsdp.core.fsdp import TrainingState
@@ -165,7 +168,7 @@ class FullyShardedDataParallel(core.FullyShardedDataParallel):
         if device_id is not None:
             module.to(torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id))
         extensions = [TorchExtension(ignored_mods, ignored, sync_module_states, use_orig_params),
-                      BackwardExtras(free_before_concat=not use_orig_params)]
+                      BackwardExtras(free_before_concat=not use_orig_params), CalledOutsideItsUnit()]
         if use_orig_params:
             extensions.append(OrigParams())
         super().__init__(module, process_group, sharding_strategy, None, backward_prefetch, mixed_precision,

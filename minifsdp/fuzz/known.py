@@ -83,6 +83,12 @@ def _tied_low_precision_grads(program, d) -> bool:
             and d[0] == "error" and "grad_dtype" in d[2] and " vs torch raised RuntimeError at step " in d[2])
 
 
+def _called_outside_its_unit(program, d) -> bool:
+    """A wrapped container the root iterates: under NO_SHARD torch never averages its gradients; ours refuses."""
+    return (program.impl == "fsdp1" and d[0] == "error" and d[2].startswith("ours raised RuntimeError at step ")
+            and "was called while that unit's forward is not running" in d[2].split(" vs torch ")[0])
+
+
 def _step_index(program, where: str) -> int | None:
     return int(where.split()[1]) if where.startswith("step ") else len(program.steps) if where == "final" else None
 
@@ -181,6 +187,16 @@ KNOWN: list[Known] = [
           "grad_dtype check refuses at the first backward. Ours gives the tied name the same low-precision gradient "
           "as its first name, as the option documents; an optimizer that cannot take it (Adam's lerp) fails there.",
           _tied_low_precision_grads),
+    Known("unit_called_outside_its_forward",
+          "A wrapped container the root iterates (`for b in self.blocks`) rather than calls: the unit's forward never "
+          "runs, so under NO_SHARD torch runs its blocks on the whole parameters with no pre- or post-backward hook: "
+          "its gradients are never averaged and the replicas drift apart, silently: for ever with use_orig_params; "
+          "without it, until a later step's backward meets views the optimizer's in-place update invalidated and "
+          "autograd raises (FullyShardedDataParallel.forward is where torch's hooks are set up; nothing checks that "
+          "a unit's modules run inside it). Ours refuses the "
+          "call at the first forward, naming the unit and the fix (called_outside.py). Under a sharded strategy "
+          "both fail in the forward (the parameters are 1-D shards there).",
+          _called_outside_its_unit),
     Known("full_state_dict_offload_on_cpu",
           "FULL_STATE_DICT with FullStateDictConfig(offload_to_cpu=True) on a sharded CPU run: torch's values are "
           "views of the unit's gathered flat parameter, which it frees on leaving the unshard ('tensor.cpu()' makes no "
