@@ -25,11 +25,19 @@ from pathlib import Path
 
 import pytest
 
+from minifsdp.classroom.course_bug import (
+    COMMANDS,
+    check_seed,
+    draw,
+    lab_faults,
+    named_place,
+    plant_file,
+    write_roster_labs,
+)
+from minifsdp.classroom.course_bug_fix import graded_fix
+from minifsdp.classroom.course_class import grade_submissions
+from minifsdp.classroom.points import read_points
 from minifsdp.tools.cli import main
-from minifsdp.tools.course import read_points
-from minifsdp.tools.course_bug import COMMANDS, check_seed, draw, lab_faults, named_place, plant_file, write_roster_labs
-from minifsdp.tools.course_bug_fix import graded_fix
-from minifsdp.tools.course_class import grade_submissions
 from tests.planted_faults.bug_lab import LAB, WAYS
 from tests.planted_faults.catalog import by_name
 

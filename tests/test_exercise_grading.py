@@ -45,12 +45,12 @@ import torch
 import torch.distributed as dist
 
 import minifsdp
+from minifsdp.classroom.course_class import grade_submissions
+from minifsdp.classroom.course_remote import LearnerError, LearnerProcess
+from minifsdp.classroom.course_rules import enforce_here
+from minifsdp.classroom.course_run import grade
+from minifsdp.classroom.points import CourseError, read_points, score
 from minifsdp.launch import RankFailedError
-from minifsdp.tools.course import CourseError, read_points, score
-from minifsdp.tools.course_class import grade_submissions
-from minifsdp.tools.course_remote import LearnerError, LearnerProcess
-from minifsdp.tools.course_rules import enforce_here
-from minifsdp.tools.course_run import grade
 from tests._student_edition import student_edition
 from tests.exercises import learner_ranks
 from tests.planted_faults.outcomes import SESSION

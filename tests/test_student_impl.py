@@ -20,8 +20,8 @@ import io
 
 import pytest
 
+from minifsdp.classroom.student import parse_student
 from minifsdp.tools.cli import main
-from minifsdp.tools.student import parse_student
 from minifsdp.tools.train_checks import JobError
 
 CASES = {

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     from minifsdp.tools.train import add_arguments
 
     add_arguments(p_train)
-    from minifsdp.tools.student import add_student_argument
+    from minifsdp.classroom.student import add_student_argument
 
-    add_student_argument(p_train)  # --impl student: your exercise functions inside our FSDP (student.py)
+    add_student_argument(p_train)  # --impl student: your exercise functions inside our FSDP (classroom/student.py)
 
     p_gen = sub.add_parser("generate", help="sample text from a train run's consolidated weights")
     from minifsdp.tools.generate import add_arguments as add_generate_arguments
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # course: run a class (the student edition, the grader with points, the find-the-bug lab)
     p_course = sub.add_parser("course", help="run a class: the student edition, the grader, the find-the-bug lab")
-    from minifsdp.tools.course import add_arguments as add_course_arguments
+    from minifsdp.classroom.course import add_arguments as add_course_arguments
 
     add_course_arguments(p_course)
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(args)
 
     if args.command == "course":
-        from minifsdp.tools.course import run_course
+        from minifsdp.classroom.course import run_course
 
         return run_course(args)
     if args.command == "torch-suite":
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise JobError(f"--student chooses what --impl student plugs in; drop it, or use --impl student "
                                f"(not {args.impl})")
             if args.command == "train" and args.impl == "student":
-                from minifsdp.tools.student import run_student
+                from minifsdp.classroom.student import run_student
 
                 return run_student(args)
             if args.command == "train":

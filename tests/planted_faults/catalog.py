@@ -378,7 +378,7 @@ FAULTS = [
     Fault(
         name="grader_counts_a_skipped_test",
         plants="course grade gives a task its points when one of its tests was skipped (only failures count)",
-        target="minifsdp.tools.course:score",
+        target="minifsdp.classroom.points:score",
         old='bad = [c for c in mine if c["outcome"] != "passed"]',
         new='bad = [c for c in mine if c["outcome"] in ("failed", "error")]',
         test="tests/test_course.py::test_points_come_from_every_test_of_a_task_passing",

@@ -132,7 +132,7 @@ RULES = (
 )
 
 # the library's own answer to a task: the student edition cuts most of them from its library
-# (minifsdp/tools/course_cut.py), but a class is graded with this repository's library, where they are whole;
+# (minifsdp/classroom/course_cut.py), but a class is graded with this repository's library, where they are whole;
 # the rest the library keeps, because its chapters run them.  Either way, a one-line import is not an answer.
 ANSWERED_BY = {
     "1.1": ("minifsdp.ddp.buckets:assign_buckets", "minifsdp.ddp.buckets:fill_buckets"),
