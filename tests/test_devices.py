@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import minifsdp
-from minifsdp.tools import bench_fsdp_cuda
+from minifsdp.bench import fsdp_cuda as bench_fsdp_cuda
 from minifsdp.tools.cli import main
 from minifsdp.tools.devices import DeviceError, Placement, resolve_device
 

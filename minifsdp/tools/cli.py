@@ -177,7 +177,7 @@ def _run(parser, args) -> int:
         return run_compare(args)
     if args.command == "bench":
         if args.what == "fsdp" and args.device == "cuda":
-            from minifsdp.tools.bench_fsdp_cuda import run_fsdp_bench_cuda
+            from minifsdp.bench.fsdp_cuda import run_fsdp_bench_cuda
 
             return run_fsdp_bench_cuda(args)
         if args.device != "cpu" or args.precision is not None:
@@ -190,10 +190,10 @@ def _run(parser, args) -> int:
         for name, value in defaults.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
-        from minifsdp.tools import bench, bench_fsdp, bench_overlap, bench_scale
+        from minifsdp.bench import collectives, fsdp, overlap, scale
 
-        return {"collectives": bench.run_collectives_bench, "fsdp": bench_fsdp.run_fsdp_bench,
-                "overlap": bench_overlap.run_bench, "precision": bench_overlap.run_bench,
-                "scale": bench_scale.run_scale_bench}[args.what](args)  # scale: ddp, ours, fsdp1; 4 ranks unless given
+        return {"collectives": collectives.run_collectives_bench, "fsdp": fsdp.run_fsdp_bench,
+                "overlap": overlap.run_bench, "precision": overlap.run_bench,
+                "scale": scale.run_scale_bench}[args.what](args)  # scale: ddp, ours, fsdp1; 4 ranks unless given
     parser.error(f"unknown command {args.command}")
     return 2

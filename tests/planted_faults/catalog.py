@@ -251,7 +251,7 @@ FAULTS = [
     Fault(
         name="bench_ratio_inverted",
         plants="the bench harness states a ratio as the reference over the contender, so a slower one reads faster",
-        target="minifsdp.tools.bench_harness:ratio",
+        target="minifsdp.bench.harness:ratio",
         old="return value / reference",
         new="return reference / value",
         test="tests/test_bench_harness.py::test_medians_and_ratios_read_a_slower_contender_above_one",
@@ -534,7 +534,7 @@ FAULTS = [
         name="zero_bench_baseline_after_build",
         plants="the DeepSpeed bench takes its census baseline after building the trainer, so it counts only what the "
                "first step adds (the gradients and Adam's state), not the parameters",
-        target="minifsdp.tools.bench_zero:zero_rank",
+        target="minifsdp.bench.zero:zero_rank",
         old="before = live_tensor_bytes()\n        trainer = build(name, copy.deepcopy(model), batch_size, "
             "bucket_elements)",
         new="trainer = build(name, copy.deepcopy(model), batch_size, bucket_elements)\n        "

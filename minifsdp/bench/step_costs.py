@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.tools.bench_harness import interleave
+from minifsdp.bench.harness import interleave
 
 OURS = ("DDP", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "FULL_SHARD, no prefetch")
 TORCH = ("torch DDP", "torch FULL_SHARD", "torch SHARD_GRAD_OP", "torch NO_SHARD")
