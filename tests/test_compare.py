@@ -3,7 +3,7 @@
 Oracles: torch's DistributedDataParallel (``--strategy ddp``) and torch's FSDP1
 (the default, ``--strategy FULL_SHARD``), trained in the same ranks on the same
 data.  At the default 2 ranks the verdict must be *bitwise* (a + b has one
-rounding, and our FSDP divides by torch FSDP1's factors; see minifsdp/tools/compare.py),
+rounding, and our FSDP divides by torch FSDP1's factors; see minifsdp/training/compare.py),
 so the tests ask for exactly that line.
 """
 

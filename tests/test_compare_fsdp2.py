@@ -2,7 +2,7 @@
 
 Oracle: torch's FSDP2, ``torch.distributed.fsdp.fully_shard``, applied the same way (every Block, then
 the root) on the same seed and data.  Tolerance: bitwise at 2 ranks (each reduce-scatter sums two
-numbers, which has one rounding; see minifsdp/tools/compare.py), and checkpoints compare full tensors
+numbers, which has one rounding; see minifsdp/training/compare.py), and checkpoints compare full tensors
 with ``torch.equal``.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minifsdp.tools.compare import _max_param_diff
+from minifsdp.training.compare import _max_param_diff
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s+\S+$")

@@ -22,7 +22,7 @@ import pytest
 
 from minifsdp.classroom.student import parse_student
 from minifsdp.tools.cli import main
-from minifsdp.tools.train_checks import JobError
+from minifsdp.training.checks import JobError
 
 CASES = {
     "reference": ["--student", "reference"],

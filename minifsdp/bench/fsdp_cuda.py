@@ -60,7 +60,7 @@ from minifsdp.bench import fsdp as bench_fsdp
 from minifsdp.bench import harness
 from minifsdp.launch import RankFailedError
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools.devices import rank_device, resolve_device, synchronize
+from minifsdp.training.devices import rank_device, resolve_device, synchronize
 
 __all__ = ["run_fsdp_bench_cuda", "bench_rank", "CONFIGS", "TRAINERS", "PRECISIONS", "summarize", "format_table"]
 

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from minifsdp.comm import COLLECTIVE_KINDS
-from minifsdp.tools.devices import DeviceError, add_device_argument
+from minifsdp.training.devices import DeviceError, add_device_argument
 
 
 def _threads(text: str) -> int | None:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     add_device_argument(p_cmp)
 
     p_train = sub.add_parser("train", help="train the tiny GPT for real: progress, schedule, checkpoints, resume")
-    from minifsdp.tools.train import add_arguments
+    from minifsdp.training.train import add_arguments
 
     add_arguments(p_train)
     from minifsdp.classroom.student import add_student_argument
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     add_student_argument(p_train)  # --impl student: your exercise functions inside our FSDP (classroom/student.py)
 
     p_gen = sub.add_parser("generate", help="sample text from a train run's consolidated weights")
-    from minifsdp.tools.generate import add_arguments as add_generate_arguments
+    from minifsdp.training.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(p_gen)
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_torch_suite(args)
     if args.command in ("train", "generate"):
-        from minifsdp.tools.train_checks import JobError
+        from minifsdp.training.checks import JobError
 
         try:
             if args.command == "train" and args.student is not None and args.impl != "student":
@@ -154,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 return run_student(args)
             if args.command == "train":
-                from minifsdp.tools.train import run_train
+                from minifsdp.training.train import run_train
 
                 return run_train(args)
-            from minifsdp.tools.generate import run_generate
+            from minifsdp.training.generate import run_generate
 
             return run_generate(args)
         except (JobError, DeviceError) as e:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(parser, args) -> int:
     if args.command == "compare":
-        from minifsdp.tools.compare import run_compare
+        from minifsdp.training.compare import run_compare
 
         return run_compare(args)
     if args.command == "bench":

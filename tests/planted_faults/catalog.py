@@ -444,7 +444,7 @@ FAULTS = [
     Fault(
         name="train_scaler_state_not_saved",
         plants="python -m minifsdp train saves no grad scaler state: an fp16 run resumes with a fresh scale",
-        target="minifsdp.tools.train:_save",
+        target="minifsdp.training.train:_save",
         old='"scaler": scaler.state_dict() if scaler is not None else None',
         new='"scaler": None',
         test="tests/test_train_resume.py::test_resume_is_bitwise_the_run_that_never_stopped[ours-fp16]",
@@ -454,7 +454,7 @@ FAULTS = [
     Fault(
         name="train_torch_checkpoint_rng_of_rank_0",
         plants="a torch-fsdp1/fsdp2 checkpoint gives every rank rank 0's RNG state on resume",
-        target="minifsdp.tools.train_impls:load_torch_checkpoint",
+        target="minifsdp.training.impls:load_torch_checkpoint",
         old="return extras[dist.get_rank()] if len(extras) == dist.get_world_size() else extras[0]",
         new="return extras[0]",
         test="tests/test_train_resume.py::test_resume_is_bitwise_the_run_that_never_stopped[torch-fsdp2-bf16]",
@@ -463,7 +463,7 @@ FAULTS = [
     Fault(
         name="train_log_keeps_crashed_steps",
         plants="a resume keeps the log lines of the steps after its checkpoint (a crash's steps are logged twice)",
-        target="minifsdp.tools.train:_open_log",
+        target="minifsdp.training.train:_open_log",
         old='json.loads(line)["step"] <= start',
         new='json.loads(line)["step"] > 0',
         test="tests/test_train_resume.py::test_resume_is_bitwise_the_run_that_never_stopped[ours-fp32]",
