@@ -49,7 +49,7 @@ from minifsdp.bench.step_costs import PREFETCH as SETTINGS
 from minifsdp.comm.collectives import TorchCollectives
 from minifsdp.memory.tracker import MemoryTracker, without_resident
 from minifsdp.models import Block, CharCorpus, TinyGPT
-from minifsdp.tools.tracing import Tracer
+from minifsdp.pictures.tracing import Tracer
 
 __all__ = ["run_bench", "overlap_worker", "precision_worker"]
 

@@ -124,7 +124,7 @@ def step_bytes(kind: str) -> int:
 
 def step_collectives(kind: str) -> int:
     """How many collectives one forward + backward issues (torch's collectives, seen by the tracer)."""
-    from minifsdp.tools.viz_fsdp import CollectiveTracer
+    from minifsdp.pictures.fsdp_plots import CollectiveTracer
 
     model, opt = ready(kind)
     tracer = CollectiveTracer(None)

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "route":
-        from minifsdp.tools.route import main as route_main
+        from minifsdp.pictures.route import main as route_main
 
         return route_main()
     if args.command == "fuzz":

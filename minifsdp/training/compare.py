@@ -292,7 +292,7 @@ def run_compare(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from minifsdp.tools.viz import plot_losses
+    from minifsdp.pictures.plots import plot_losses
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

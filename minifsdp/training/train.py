@@ -297,7 +297,7 @@ def _start_profile(model, args):
 
     tracer = None
     if args.impl == "ours":  # our units name their waits: "minifsdp all-gather wait blocks.0", ...
-        from minifsdp.tools.tracing import Tracer
+        from minifsdp.pictures.tracing import Tracer
 
         tracer = Tracer(model).__enter__()
     cuda = getattr(args, "device", "cpu") == "cuda"

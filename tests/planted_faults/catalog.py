@@ -433,7 +433,7 @@ FAULTS = [
     Fault(
         name="save_figure_ignores_the_switch",
         plants="save_figure writes into chapters/figures/ on every run, switch or not (a test run dirties the clone)",
-        target="minifsdp.tools.viz:save_figure",
+        target="minifsdp.pictures.plots:save_figure",
         old="if os.environ.get(SAVE_FIGURES_ENV) != \"1\":",
         new="if False:",
         test="tests/test_repo_hygiene.py::test_notebooks_save_figures_into_the_checkout_only_when_asked",
