@@ -58,7 +58,7 @@ def test_compare_cli_default_is_our_fsdp_against_torch_fsdp1(tmp_path):
 
 
 def test_compare_rejects_hybrid_shard_on_two_ranks(capsys):
-    from minifsdp.tools.cli import main
+    from minifsdp.commands.cli import main
 
     with pytest.raises(SystemExit, match="HYBRID_SHARD .* needs an even world size of at least 4"):
         main(["compare", "--strategy", "HYBRID_SHARD", "--world-size", "2"])

@@ -60,7 +60,7 @@ def test_bench_fsdp_ours_fsdp2_row_is_read_against_torch_fsdp2(tmp_path):
 
 
 def test_compare_impl_fsdp2_rejects_strategies_fsdp2_lacks():
-    from minifsdp.tools.cli import main
+    from minifsdp.commands.cli import main
 
     for strategy in ("NO_SHARD", "ddp"):
         with pytest.raises(SystemExit, match="--impl fsdp2 pairs our fully_shard with torch's"):

@@ -19,7 +19,7 @@ import pytest
 from minifsdp.classroom.course_class import feedback, students
 from minifsdp.classroom.course_rules import LEARNER_FILES, check_source, stubs_left
 from minifsdp.classroom.points import Row, as_json, failure_line, not_done, read_points, score, shares, table, task_of
-from minifsdp.tools.cli import main
+from minifsdp.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "exercises"

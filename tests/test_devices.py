@@ -22,7 +22,7 @@ import torch
 
 import minifsdp
 from minifsdp.bench import fsdp_cuda as bench_fsdp_cuda
-from minifsdp.tools.cli import main
+from minifsdp.commands.cli import main
 from minifsdp.training.devices import DeviceError, Placement, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,10 +23,16 @@ LAYERS = {
     "minifsdp.ddp": 2,
     "minifsdp.fsdp": 3, "minifsdp.memory": 3, "minifsdp.parallel": 3,
     "minifsdp.checkpoint": 4, "minifsdp.fsdp2": 4,
-    "minifsdp.tools": 5, "minifsdp.fuzz": 5, "minifsdp.explorers": 5,
-    "minifsdp.__main__": 6, "minifsdp": 6,
+    # the programs around the book, each room named for what it holds
+    "minifsdp.pictures": 5, "minifsdp.cells": 5, "minifsdp.fuzz": 5,
+    "minifsdp.training": 6, "minifsdp.explorers": 6,
+    "minifsdp.bench": 7, "minifsdp.classroom": 7,
+    "minifsdp.commands": 8,
+    "minifsdp.__main__": 9, "minifsdp": 9,
 }
-LOCAL_IMPORTS_ALLOWED = ("minifsdp.tools",)  # command-line and bench code may import lazily (start-up time)
+# the programs may import lazily (the command line's start-up time: a command imports only what it runs)
+LOCAL_IMPORTS_ALLOWED = ("minifsdp.commands", "minifsdp.training", "minifsdp.bench", "minifsdp.classroom",
+                         "minifsdp.pictures")
 
 
 def _modules() -> dict[str, Path]:
@@ -182,7 +188,7 @@ def test_every_room_says_what_it_holds_and_which_chapters_it_serves():
     assert len(chapters) >= 6
 
 
-def test_no_function_local_imports_of_our_modules_outside_tools():
+def test_no_function_local_imports_of_our_modules_outside_the_programs():
     offenders = [f"{m} imports {sorted(local)} inside a function" for m, (_, local) in GRAPH.items()
                  if local and not m.startswith(LOCAL_IMPORTS_ALLOWED)]
     assert not offenders, "\n".join(offenders)
@@ -195,7 +201,8 @@ def test_imports_never_climb_to_a_higher_layer():
 
 
 def test_chapter_subpackages_exist_and_the_top_stays_small():
-    for pkg in ("comm", "ddp", "fsdp", "memory", "parallel", "checkpoint", "fsdp2", "tools"):
+    for pkg in ("comm", "ddp", "fsdp", "memory", "parallel", "checkpoint", "fsdp2", "commands", "training", "bench",
+                "classroom", "pictures", "cells"):
         assert (PKG / pkg / "__init__.py").is_file(), f"minifsdp/{pkg}/ is not a package"
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 8, f"{len(top)} modules at the top of minifsdp/: {top}"
@@ -397,7 +404,7 @@ def _readme_map() -> set[str]:
 
 def test_the_readme_map_names_every_module():
     shown = _readme_map()
-    assert {"launch.py", "fsdp/core/handle.py", "tools/cli.py"} <= shown, sorted(shown)[:10]  # the tree was read
+    assert {"launch.py", "fsdp/core/handle.py", "commands/cli.py"} <= shown, sorted(shown)[:10]  # the tree was read
     modules = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
     missing = sorted(modules - shown)
     assert not missing, f"modules the README's map does not name: {missing}"

@@ -21,7 +21,7 @@ import io
 import pytest
 
 from minifsdp.classroom.student import parse_student
-from minifsdp.tools.cli import main
+from minifsdp.commands.cli import main
 from minifsdp.training.checks import JobError
 
 CASES = {

@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minifsdp.commands import cli
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools import cli
 from tests._workers_fsdp import assert_bitwise
 
 ROOT = Path(__file__).resolve().parents[1]

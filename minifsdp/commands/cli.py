@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--link-ms", type=float, default=0.0,
                          help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
 
-    from minifsdp.tools.plan_cli import PARSER_OPTIONS as PLAN_OPTIONS
-    from minifsdp.tools.plan_cli import add_arguments as add_plan_arguments
+    from minifsdp.commands.plan import PARSER_OPTIONS as PLAN_OPTIONS
+    from minifsdp.commands.plan import add_arguments as add_plan_arguments
 
     p_plan = sub.add_parser("plan", help="will it fit: memory, bytes and time per GPU at real scale, before a run",
                             **PLAN_OPTIONS)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return fuzz_command(args)
     if args.command == "plan":
-        from minifsdp.tools.plan_cli import run_plan
+        from minifsdp.commands.plan import run_plan
 
         return run_plan(args)
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_course(args)
     if args.command == "torch-suite":
-        from minifsdp.tools.torch_suite import run_torch_suite
+        from minifsdp.commands.torch_suite import run_torch_suite
 
         return run_torch_suite(args)
     if args.command in ("train", "generate"):
