@@ -11,7 +11,7 @@ The process that grades never imports the learner's code (``minifsdp/classroom/c
   own process or in a spawn that runs no learner code, and compares.  Inputs are drawn from the grading seed
   (``--course-seed``, the ``course_seed`` fixture) where a fixed input could be answered by a lookup.
 
-What ``python -m minifsdp course grade`` relies on (``minifsdp/classroom/course.py``):
+What ``python -m minifsdp course grade`` relies on (``minifsdp/classroom/points.py``):
 
 * a test's task: ``test_task2_2a_...`` grades task ``2.2a``; a test under ``tests/exercises/projects/``
   grades ``project-<name>``, named by its folder (``projects/zero1/test_*.py``) or its file
