@@ -9,8 +9,8 @@ Fill in :func:`lr_factor` (3.2a), :func:`find_instability` (3.2b) and
 No process group is needed: each function works on numbers or on what the job wrote
 (its ``--log-json`` records, its ``--profile`` trace).
 
-Reference solution: ``lr_factor`` in ``minifsdp/tools/train.py`` and the two functions of
-``minifsdp/tools/train_monitor.py``; do not peek before you have tried.
+Reference solution: ``lr_factor`` in ``minifsdp/training/train.py`` and the two functions of
+``minifsdp/training/monitor.py``; do not peek before you have tried.
 """
 
 from __future__ import annotations

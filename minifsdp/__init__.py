@@ -3,7 +3,7 @@
 The package follows the book.  Its top level holds only what every chapter uses;
 each chapter has a subpackage.  The subpackages are layers, and a module imports
 only its own layer or a lower one, with no cycles (``tests/test_layout.py`` checks
-both): comm < ddp < fsdp, memory, parallel < checkpoint, fsdp2 < tools.  ``comm`` (chapter 2.2) sits
+both): comm < ddp < fsdp, memory, parallel < checkpoint, fsdp2 < the programs.  ``comm`` (chapter 2.2) sits
 below ``ddp`` (chapter 1) because both DDP and FSDP send their gradients through it.
 
     launch.py, notebook.py, models.py, data/    every chapter: local ranks, %%ranks, the models, the corpus
@@ -15,7 +15,15 @@ below ``ddp`` (chapter 1) because both DDP and FSDP send their gradients through
     checkpoint/   ch 4.3  save / load at any world size, atomic files, resume
     parallel/     ch 4.4  tensor parallel (column / row), pipeline schedules (GPipe, 1F1B)
     fsdp2/        ch 5    per-parameter sharding: fully_shard, FSDP2's design
-    tools/                the main job (``python -m minifsdp compare``), benches, timelines, plots
+    the programs around the book, one room each:
+    commands/             the command line (``python -m minifsdp ...``)
+    training/     ch 3    the training jobs: compare (the main job), train, generate
+    bench/        ch 2    benchmarks, a ratio against torch measured in the same run
+    classroom/            the course: grading, the student edition, the find-the-bug lab
+    pictures/             plots for the notebooks, timelines of a step
+    cells/                what the notebooks' cells call
+    explorers/            the notebooks' panels a learner drives
+    fuzz/         ch 6    random programs on torch's FSDP and on ours, compared bit for bit
 
 Every name below is importable from ``minifsdp`` directly, named as in torch.
 """

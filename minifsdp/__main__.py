@@ -1,3 +1,3 @@
-from minifsdp.tools.cli import main
+from minifsdp.commands.cli import main
 
 raise SystemExit(main())

@@ -11,7 +11,7 @@ becomes, in the copy, one stub per function that calls the learner's function of
 :func:`learner_function`.  So in the student edition the learner's code *is* the library's code there:
 ``python -m minifsdp compare --collectives textbook`` trains on their ring, and a library test of the ring
 tests theirs.  Until the task is done, the stub's ``NotImplementedError("Task 2.2a: ...")`` is what the
-library raises there.  ``minifsdp/tools/course_cut.py`` writes the stubs.
+library raises there.  ``minifsdp/classroom/course_cut.py`` writes the stubs.
 
 In this repository (the instructor's) nothing calls it: the library's own bodies are in place.
 """

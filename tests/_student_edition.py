@@ -6,7 +6,7 @@ on a copy.
 
 from pathlib import Path
 
-from minifsdp.tools.course_copy import student_copy
+from minifsdp.classroom.course_copy import student_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 _BUILT: dict[str, Path] = {}

@@ -5,7 +5,7 @@ import time
 
 import torch.distributed as dist
 
-from minifsdp.tools.bench_harness import interleave
+from minifsdp.bench.harness import interleave
 
 
 def slowest_rank_times(delay_s: float):

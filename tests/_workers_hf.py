@@ -9,7 +9,7 @@ random ``GPT2LMHeadModel`` wrapped by ``GPT2Block``.  Both wrap with
 
 Embeddings are mean-pooled over the attention mask and L2-normalised (what sentence-transformers does
 for this model).  Attention is ``eager`` so the forward is the same plain ops on every path.  Wrapping,
-embedding and reading full parameters are notebook 04's own (``minifsdp/tools/hf_sharding.py``).
+embedding and reading full parameters are notebook 04's own (``minifsdp/cells/hf_sharding.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minifsdp.tools.hf_sharding import embed, frozen_embed, full_params, wrap
+from minifsdp.cells.hf_sharding import embed, frozen_embed, full_params, wrap
 
 STEPS = 3
 SCALE = 20.0  # similarity scale of the in-batch-negatives loss (sentence-transformers' MultipleNegativesRankingLoss)

@@ -248,7 +248,7 @@ class CollectiveLog(TorchDispatchMode):
 
     Since torch 2.0 every process-group call goes through the dispatcher as a ``c10d.*`` op,
     so a dispatch mode sees torch FSDP1's collectives and ours alike, with their tensors
-    (``minifsdp.tools.viz_fsdp.CollectiveTracer`` is built the same way; it names units
+    (``minifsdp.pictures.fsdp_plots.CollectiveTracer`` is built the same way; it names units
     through *our* handles only, so it cannot name torch's).  An all-gather is logged with
     the storage of its output: the unit's full flat buffer, whose storage object lives as
     long as the unit (only resized), so :meth:`named` maps it to the unit afterwards.  The
@@ -354,7 +354,7 @@ def prefetch_worker():
     def alive_units(every: list) -> int:  # non-root units whose full parameters are gathered or on their way
         return sum(1 for u in every[1:] if u._handle is not None and u._handle.sharded
                    and u._handle.state is not HandleState.SHARDED)
-    from minifsdp.tools.tracing import Tracer
+    from minifsdp.pictures.tracing import Tracer
 
     out = {}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
@@ -405,7 +405,7 @@ def _trace_files(model, tr):
     import matplotlib
 
     matplotlib.use("Agg")
-    from minifsdp.tools.tracing import Tracer, profile_to_chrome_trace
+    from minifsdp.pictures.tracing import Tracer, profile_to_chrome_trace
 
     folder = tempfile.mkdtemp(prefix="minifsdp_trace_")
     png, ours_json, prof_json = (os.path.join(folder, n) for n in ("gantt.png", "ours.json", "profiler.json"))

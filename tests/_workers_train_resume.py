@@ -1,6 +1,6 @@
 """Rank function for tests/test_train_resume.py: ``python -m minifsdp train``'s resume, every trainer, every precision.
 
-For each (impl, precision) the job's own rank function (``minifsdp.tools.train.train_worker``, with the
+For each (impl, precision) the job's own rank function (``minifsdp.training.train.train_worker``, with the
 arguments the command line parses and checks) runs twice on these ranks:
 
     uninterrupted   steps 1..4, a checkpoint every 2 steps (step_2, step_4), final weights, a log of 4 lines
@@ -24,8 +24,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from minifsdp.tools.train import MODELS, add_arguments, train_worker
-from minifsdp.tools.train_checks import check_args
+from minifsdp.training.checks import check_args
+from minifsdp.training.train import MODELS, add_arguments, train_worker
 
 FLAGS = ["--world-size", "2", "--steps", "4", "--warmup", "1", "--schedule", "cosine", "--lr", "3e-3",
          "--dropout", "0.1", "--batch-size", "2", "--checkpoint-every", "2"]

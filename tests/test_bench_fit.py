@@ -1,11 +1,11 @@
-"""The alpha-beta fit of ``bench collectives`` (minifsdp/tools/bench_fit.py), on synthetic data: no timing."""
+"""The alpha-beta fit of ``bench collectives`` (minifsdp/bench/fit.py), on synthetic data: no timing."""
 
 import math
 import random
 
 import pytest
 
-from minifsdp.tools.bench_fit import fit_alpha_beta
+from minifsdp.bench.fit import fit_alpha_beta
 
 SIZES = [1024 * 4**k for k in range(10)]  # 1 KB .. 256 MB, like the bench
 

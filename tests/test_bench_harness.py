@@ -1,4 +1,4 @@
-"""The bench harness (minifsdp/tools/bench_harness.py), the method every bench shares; no timing asserted.
+"""The bench harness (minifsdp/bench/harness.py), the method every bench shares; no timing asserted.
 
 * the contenders take turns, the order rotated each round, and warm-up rounds are not kept;
 * with a CUDA device, ``torch.cuda.synchronize`` brackets every timed call (the GPU bench's path, here on a
@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from minifsdp.bench import harness as bench_harness
+from minifsdp.bench.harness import ContenderError, add_ratios, choose, interleave, run_ranks, table, world_sizes
 from minifsdp.launch import RankFailedError
-from minifsdp.tools import bench_harness
-from minifsdp.tools.bench_harness import ContenderError, add_ratios, choose, interleave, run_ranks, table, world_sizes
 from tests import _workers_bench_harness as w
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minifsdp.bench import scale as bench_scale
 from minifsdp.models import TinyGPT
-from minifsdp.tools import bench_scale
 
 
 @pytest.mark.parametrize("n_layer,width", [(1, 64), (3, 128)])

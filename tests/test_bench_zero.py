@@ -1,4 +1,4 @@
-"""The DeepSpeed ZeRO bench (``minifsdp/tools/bench_zero.py``): what it measures is what it says.
+"""The DeepSpeed ZeRO bench (``minifsdp/bench/zero.py``): what it measures is what it says.
 
 Without deepspeed (not a dependency of this project) the FSDP half still runs: the census after one step must
 be FSDP's model state to the byte (oracle: ``minifsdp.memory.zero_formulas.fsdp_model_state_bytes``, exercise
@@ -9,10 +9,10 @@ deepspeed installed, its ZeRO-2 joins: the same first loss within 1e-6 (its redu
 
 import pytest
 
+from minifsdp.bench import zero as bench_zero
 from minifsdp.launch import spawn
 from minifsdp.memory.zero_formulas import fsdp_model_state_bytes
 from minifsdp.models import GPTConfig, TinyGPT
-from minifsdp.tools import bench_zero
 
 
 def test_the_deepspeed_config_sets_the_buckets_it_says():

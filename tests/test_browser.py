@@ -267,7 +267,7 @@ def test_the_ring_slider_redraws_in_the_browser(page, lab):
     """Notebook 02's ring widget, run by JupyterLab's own kernel: moving the slider draws another step."""
     nb = json.loads((ROOT / "notebooks" / "02_fsdp_core.ipynb").read_text())
     code = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"]
-    target = next(i for i in code if "viz.ring_widget(" in "".join(nb["cells"][i]["source"]))
+    target = next(i for i in code if "plots.ring_widget(" in "".join(nb["cells"][i]["source"]))
     panel = _open(page, lab, "02_fsdp_core.ipynb")
     cells = panel.locator(".jp-Cell")
     cells.nth(target).click()

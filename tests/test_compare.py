@@ -3,7 +3,7 @@
 Oracles: torch's DistributedDataParallel (``--strategy ddp``) and torch's FSDP1
 (the default, ``--strategy FULL_SHARD``), trained in the same ranks on the same
 data.  At the default 2 ranks the verdict must be *bitwise* (a + b has one
-rounding, and our FSDP divides by torch FSDP1's factors; see minifsdp/tools/compare.py),
+rounding, and our FSDP divides by torch FSDP1's factors; see minifsdp/training/compare.py),
 so the tests ask for exactly that line.
 """
 
@@ -58,7 +58,7 @@ def test_compare_cli_default_is_our_fsdp_against_torch_fsdp1(tmp_path):
 
 
 def test_compare_rejects_hybrid_shard_on_two_ranks(capsys):
-    from minifsdp.tools.cli import main
+    from minifsdp.commands.cli import main
 
     with pytest.raises(SystemExit, match="HYBRID_SHARD .* needs an even world size of at least 4"):
         main(["compare", "--strategy", "HYBRID_SHARD", "--world-size", "2"])

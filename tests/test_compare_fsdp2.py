@@ -2,7 +2,7 @@
 
 Oracle: torch's FSDP2, ``torch.distributed.fsdp.fully_shard``, applied the same way (every Block, then
 the root) on the same seed and data.  Tolerance: bitwise at 2 ranks (each reduce-scatter sums two
-numbers, which has one rounding; see minifsdp/tools/compare.py), and checkpoints compare full tensors
+numbers, which has one rounding; see minifsdp/training/compare.py), and checkpoints compare full tensors
 with ``torch.equal``.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minifsdp.tools.compare import _max_param_diff
+from minifsdp.training.compare import _max_param_diff
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s+\S+$")
@@ -60,7 +60,7 @@ def test_bench_fsdp_ours_fsdp2_row_is_read_against_torch_fsdp2(tmp_path):
 
 
 def test_compare_impl_fsdp2_rejects_strategies_fsdp2_lacks():
-    from minifsdp.tools.cli import main
+    from minifsdp.commands.cli import main
 
     for strategy in ("NO_SHARD", "ddp"):
         with pytest.raises(SystemExit, match="--impl fsdp2 pairs our fully_shard with torch's"):

@@ -1,4 +1,4 @@
-"""The grader's parts, in one process (``minifsdp/tools/course*.py``): the points table, which task a test
+"""The grader's parts, in one process (``minifsdp/classroom/``): the points table, which task a test
 grades, a failure in one line, points from outcomes (every test of a task, in any order; a project's share per
 test), the table, the JSON and the feedback a class reads, the rules read from a learner's file, the files the
 grader takes from a copy, and bad input refused in one line.
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from minifsdp.tools.cli import main
-from minifsdp.tools.course import Row, as_json, failure_line, not_done, read_points, score, shares, table, task_of
-from minifsdp.tools.course_class import feedback, students
-from minifsdp.tools.course_rules import LEARNER_FILES, check_source, stubs_left
+from minifsdp.classroom.course_class import feedback, students
+from minifsdp.classroom.course_rules import LEARNER_FILES, check_source, stubs_left
+from minifsdp.classroom.points import Row, as_json, failure_line, not_done, read_points, score, shares, table, task_of
+from minifsdp.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "exercises"

@@ -25,11 +25,19 @@ from pathlib import Path
 
 import pytest
 
-from minifsdp.tools.cli import main
-from minifsdp.tools.course import read_points
-from minifsdp.tools.course_bug import COMMANDS, check_seed, draw, lab_faults, named_place, plant_file, write_roster_labs
-from minifsdp.tools.course_bug_fix import graded_fix
-from minifsdp.tools.course_class import grade_submissions
+from minifsdp.classroom.course_bug import (
+    COMMANDS,
+    check_seed,
+    draw,
+    lab_faults,
+    named_place,
+    plant_file,
+    write_roster_labs,
+)
+from minifsdp.classroom.course_bug_fix import graded_fix
+from minifsdp.classroom.course_class import grade_submissions
+from minifsdp.classroom.points import read_points
+from minifsdp.commands.cli import main
 from tests.planted_faults.bug_lab import LAB, WAYS
 from tests.planted_faults.catalog import by_name
 
@@ -85,6 +93,9 @@ def test_the_guides_totals_are_points_csvs():
     assert claim and [int(g) for g in claim.groups()] == [len(faults), len({f.target for f in faults})]
 
 
+PROGRAMS = tuple(f"minifsdp.{room}." for room in ("commands", "training", "bench", "classroom", "pictures", "cells"))
+
+
 def test_the_lab_faults_span_chapters_2_to_5_and_plant_cleanly():
     faults = lab_faults(ROOT)
     assert [f.name for f in faults] == sorted(LAB), "a fault of bug_lab.py no longer plants: update it"
@@ -94,7 +105,7 @@ def test_the_lab_faults_span_chapters_2_to_5_and_plant_cleanly():
         chapter, way, shows = LAB[f.name]
         assert way in WAYS and shows and not by_name(f.name).pending, f.name
         assert f.test.startswith("tests/") and not f.test.startswith("tests/exercises/"), f.test
-        assert f.target.startswith("minifsdp.") and not f.target.startswith("minifsdp.tools."), f.target
+        assert f.target.startswith("minifsdp.") and not f.target.startswith(PROGRAMS), f.target
     for name, (_, _, shows) in LAB.items():  # the compare runs named are the ones BUG_LAB.md lists
         flags = re.findall(r"compare((?: --[\w-]+(?: [\w]+)?)*)", shows)
         assert all(tuple(fl.split()) in COMMANDS for fl in flags), (name, flags)

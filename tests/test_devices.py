@@ -2,7 +2,7 @@
 
 What runs on a GPU is in ``tests/gpu`` (run there by ``tests/gpu/run_on_device.sh``); here:
 
-* ``minifsdp.tools.devices.resolve_device``: cpu is gloo; cuda is NCCL where there are enough GPUs, and
+* ``minifsdp.training.devices.resolve_device``: cpu is gloo; cuda is NCCL where there are enough GPUs, and
   a ``DeviceError`` that names the fix where there is no GPU or fewer GPUs than ranks (CUDA is faked
   with ``monkeypatch`` for the cases this machine cannot show);
 * the command line turns that error into one line on stderr and exit status 2, before any rank starts;
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import minifsdp
-from minifsdp.tools import bench_fsdp_cuda
-from minifsdp.tools.cli import main
-from minifsdp.tools.devices import DeviceError, Placement, resolve_device
+from minifsdp.bench import fsdp_cuda as bench_fsdp_cuda
+from minifsdp.commands.cli import main
+from minifsdp.training.devices import DeviceError, Placement, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")

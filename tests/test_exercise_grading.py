@@ -45,12 +45,12 @@ import torch
 import torch.distributed as dist
 
 import minifsdp
+from minifsdp.classroom.course_class import grade_submissions
+from minifsdp.classroom.course_remote import LearnerError, LearnerProcess
+from minifsdp.classroom.course_rules import enforce_here
+from minifsdp.classroom.course_run import grade
+from minifsdp.classroom.points import CourseError, read_points, score
 from minifsdp.launch import RankFailedError
-from minifsdp.tools.course import CourseError, read_points, score
-from minifsdp.tools.course_class import grade_submissions
-from minifsdp.tools.course_remote import LearnerError, LearnerProcess
-from minifsdp.tools.course_rules import enforce_here
-from minifsdp.tools.course_run import grade
 from tests._student_edition import student_edition
 from tests.exercises import learner_ranks
 from tests.planted_faults.outcomes import SESSION
@@ -100,8 +100,8 @@ LIBRARY_ANSWERS = {
         "from minifsdp.memory.zero_formulas import fsdp_model_state_bytes as fsdp_model_state_bytes_per_rank\n\n\n"
         "def model_state_bytes_per_rank(num_params, world_size, stage):\n"
         "    return z.model_state_bytes(num_params, world_size, stage, 'mixed_adam')['total']\n"),
-    "exercises/practice_tasks.py": "from minifsdp.tools.train import lr_factor  # noqa: F401\n"
-                                   "from minifsdp.tools.train_monitor import exposed_communication, find_instability\n",
+    "exercises/practice_tasks.py": "from minifsdp.training.train import lr_factor  # noqa: F401\n"
+                                   "from minifsdp.training.monitor import exposed_communication, find_instability\n",
     "exercises/hf_tasks.py": "from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy as layer_wrap_policy\n",
     "exercises/checkpoint_tasks.py": "from minifsdp.checkpoint.pieces import load_shard, save_pieces  # noqa: F401\n",
     "exercises/parallel_tasks.py": "from minifsdp.parallel import pipeline_schedules\n\n\n"
@@ -310,8 +310,8 @@ def test_a_forbidden_call_raises_where_the_learner_runs_naming_the_rule():
             process.call(sampler, ("1.3",), (range(10),), {"num_replicas": 2, "rank": 0})
         with pytest.raises(LearnerError, match="does not read back"):  # allowed here, but not plain data
             process.call(sampler, ("2.2a",), (range(10),), {"num_replicas": 2, "rank": 0})
-        schedule = "minifsdp.tools.train:lr_factor"  # the library's own answer to 3.2a, reached at run time
-        with pytest.raises(LearnerError, match="rule of task 3.2a: the library's minifsdp.tools.train.lr_factor"):
+        schedule = "minifsdp.training.train:lr_factor"  # the library's own answer to 3.2a, reached at run time
+        with pytest.raises(LearnerError, match="rule of task 3.2a: the library's minifsdp.training.train.lr_factor"):
             process.call(schedule, ("3.2a",), (0, 4, 40, "cosine"))
         assert process.call(schedule, ("2.2a",), (0, 4, 40, "cosine")) == 0.25  # the library's, for other tasks
     finally:

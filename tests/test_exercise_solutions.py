@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minifsdp.tools.course_cut import find_cuts
+from minifsdp.classroom.course_cut import find_cuts
 from tests.exercises import impl_module
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -388,7 +388,7 @@ def test_a_crash_is_named_by_the_rank_that_died_not_by_its_peers():
 
 # ---------------------------------------------------------------------- the command
 def test_the_command_refuses_bad_counts_with_the_flag_named(capsys):
-    from minifsdp.tools.cli import main
+    from minifsdp.commands.cli import main
 
     for argv, flag in ((["--cases", "0"], "--cases"), (["--seed", "-3"], "--seed"), (["--batch", "x"], "--batch")):
         with pytest.raises(SystemExit):
@@ -401,7 +401,7 @@ def test_the_command_records_a_campaign(tmp_path, capsys):
     """One program end to end through ``python -m minifsdp fuzz``: its verdict line and its JSON record."""
     import json
 
-    from minifsdp.tools.cli import main
+    from minifsdp.commands.cli import main
 
     record = tmp_path / "fuzz.json"
     assert main(["fuzz", "--cases", "1", "--seed", "3", "--impl", "fsdp2", "--record", str(record)]) == 0

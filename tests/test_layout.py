@@ -23,10 +23,16 @@ LAYERS = {
     "minifsdp.ddp": 2,
     "minifsdp.fsdp": 3, "minifsdp.memory": 3, "minifsdp.parallel": 3,
     "minifsdp.checkpoint": 4, "minifsdp.fsdp2": 4,
-    "minifsdp.tools": 5, "minifsdp.fuzz": 5, "minifsdp.explorers": 5,
-    "minifsdp.__main__": 6, "minifsdp": 6,
+    # the programs around the book, each room named for what it holds
+    "minifsdp.pictures": 5, "minifsdp.cells": 5, "minifsdp.fuzz": 5,
+    "minifsdp.training": 6, "minifsdp.explorers": 6,
+    "minifsdp.bench": 7, "minifsdp.classroom": 7,
+    "minifsdp.commands": 8,
+    "minifsdp.__main__": 9, "minifsdp": 9,
 }
-LOCAL_IMPORTS_ALLOWED = ("minifsdp.tools",)  # command-line and bench code may import lazily (start-up time)
+# the programs may import lazily (the command line's start-up time: a command imports only what it runs)
+LOCAL_IMPORTS_ALLOWED = ("minifsdp.commands", "minifsdp.training", "minifsdp.bench", "minifsdp.classroom",
+                         "minifsdp.pictures")
 
 
 def _modules() -> dict[str, Path]:
@@ -51,8 +57,12 @@ def _resolve(name: str, imported: str | None) -> str | None:
 
 def _imports(path: Path) -> tuple[set[str], set[str]]:
     """(module-level imports, imports inside a function or class) of minifsdp modules."""
+    return _imports_of(path.read_text())
+
+
+def _imports_of(source: str) -> tuple[set[str], set[str]]:
     top, local = set(), set()
-    tree = ast.parse(path.read_text())
+    tree = ast.parse(source)
     top_nodes = set(map(id, tree.body))
 
     for node in ast.walk(tree):
@@ -83,27 +93,102 @@ def test_the_graph_was_read():
     assert "minifsdp.fsdp.core.units" in GRAPH["minifsdp.fsdp.fully_sharded"][0]
 
 
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a graph: its strongly connected components of more than one node (Tarjan), each
+    sorted; a node that imports itself is no circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def test_no_import_cycles():
-    edges = {m: {t for t in top if t != m} for m, (top, _) in GRAPH.items()}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    cycles = []
-
-    def visit(m, path):
-        state[m] = 1
-        for t in sorted(edges[m]):
-            if state.get(t) == 1:
-                cycles.append(path[path.index(t):] + [t])
-            elif t not in state:
-                visit(t, path + [t])
-        state[m] = 2
-
-    for m in sorted(edges):
-        if m not in state:
-            visit(m, [m])
-    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+    """No circle among the package's modules, counting an import inside a function as an import: a lazy import
+    still means the module needs the other one, and DESIGN.md forbids one made to dodge a circle."""
+    edges = {m: top | local for m, (top, local) in GRAPH.items()}
+    cycles = _cycles(edges)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
-def test_no_function_local_imports_of_our_modules_outside_tools():
+def test_the_cycle_check_finds_a_circle_made_of_a_lazy_import():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"a", "b"}, "b": set()}) == []
+    top, local = _imports_of("import minifsdp.launch\ndef f():\n    from minifsdp.models import TinyGPT\n")
+    assert (top, local) == ({"minifsdp.launch"}, {"minifsdp.models"})
+
+
+def _room(module: str) -> str:
+    """The top-level room a module lives in (``minifsdp.fsdp.core.handle`` -> ``fsdp``); a module at the top of
+    the package is a room of its own."""
+    return module.split(".")[1] if module.count(".") else "(top)"
+
+
+def test_rooms_import_one_way():
+    """Between the package's top-level rooms, imports run one way (a room may import itself)."""
+    edges: dict[str, set[str]] = {}
+    for m, (top, local) in GRAPH.items():
+        edges.setdefault(_room(m), set()).update(_room(t) for t in top | local if _room(t) != _room(m))
+    cycles = _cycles(edges)
+    assert not cycles, "rooms that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+ROOM_SHARE = 0.25  # no top-level room over a quarter of the package: its name must say what it holds
+
+
+def _room_lines() -> dict[str, int]:
+    """Lines of ``.py`` per top-level folder of ``minifsdp/`` (the modules at the top together as ``(top)``)."""
+    lines: dict[str, int] = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(PKG).parts
+        room = parts[0] if len(parts) > 1 else "(top)"
+        lines[room] = lines.get(room, 0) + len(path.read_text().splitlines())
+    return lines
+
+
+def test_no_room_holds_over_a_quarter_of_the_package():
+    lines = _room_lines()
+    total = sum(lines.values())
+    assert total > 20_000 and len(lines) >= 10, lines  # the package was read
+    big = {room: f"{n / total:.0%}" for room, n in lines.items() if n > ROOM_SHARE * total}
+    assert not big, f"rooms over {ROOM_SHARE:.0%} of minifsdp's {total} lines: {big}"
+
+
+def test_every_room_says_what_it_holds_and_which_chapters_it_serves():
+    """Each top-level folder of code is a package whose ``__init__`` docstring names a chapter of the book."""
+    chapters = {p.name for p in (PKG.parent / "chapters").glob("*.md")}
+    bad = []
+    for folder in sorted(p for p in PKG.iterdir() if p.is_dir() and any(p.rglob("*.py"))):
+        init = folder / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) if init.is_file() else None
+        if not doc:
+            bad.append(f"minifsdp/{folder.name}/ has no __init__.py docstring")
+        elif not re.search(r"\b(?:ch(?:apters?)?\.? ?\d|[0-6]\d_\w+\.md)", doc, re.I):
+            bad.append(f"minifsdp/{folder.name}/__init__.py names no chapter")
+    assert not bad, bad
+    assert len(chapters) >= 6
+
+
+def test_no_function_local_imports_of_our_modules_outside_the_programs():
     offenders = [f"{m} imports {sorted(local)} inside a function" for m, (_, local) in GRAPH.items()
                  if local and not m.startswith(LOCAL_IMPORTS_ALLOWED)]
     assert not offenders, "\n".join(offenders)
@@ -116,7 +201,8 @@ def test_imports_never_climb_to_a_higher_layer():
 
 
 def test_chapter_subpackages_exist_and_the_top_stays_small():
-    for pkg in ("comm", "ddp", "fsdp", "memory", "parallel", "checkpoint", "fsdp2", "tools"):
+    for pkg in ("comm", "ddp", "fsdp", "memory", "parallel", "checkpoint", "fsdp2", "commands", "training", "bench",
+                "classroom", "pictures", "cells"):
         assert (PKG / pkg / "__init__.py").is_file(), f"minifsdp/{pkg}/ is not a package"
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 8, f"{len(top)} modules at the top of minifsdp/: {top}"
@@ -318,7 +404,7 @@ def _readme_map() -> set[str]:
 
 def test_the_readme_map_names_every_module():
     shown = _readme_map()
-    assert {"launch.py", "fsdp/core/handle.py", "tools/cli.py"} <= shown, sorted(shown)[:10]  # the tree was read
+    assert {"launch.py", "fsdp/core/handle.py", "commands/cli.py"} <= shown, sorted(shown)[:10]  # the tree was read
     modules = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
     missing = sorted(modules - shown)
     assert not missing, f"modules the README's map does not name: {missing}"

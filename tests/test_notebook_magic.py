@@ -77,7 +77,7 @@ def test_magic_in_an_ipython_shell(capsys, monkeypatch):
 
 def test_viz_ring_replay_matches_the_simulated_buffers():
     """Oracle: minifsdp.comm.ring_sim's buffers.  Rank r contributes 2**r everywhere, so a
-    chunk's value names exactly whose data it holds; viz's replay of the step records
+    chunk's value names exactly whose data it holds; plots.py's replay of the step records
     must say the same after every step (exact: small integers in fp32)."""
     import matplotlib
 
@@ -85,11 +85,11 @@ def test_viz_ring_replay_matches_the_simulated_buffers():
     import torch
 
     from minifsdp.comm.ring_sim import simulate_ring_all_reduce
-    from minifsdp.tools import viz
+    from minifsdp.pictures import plots
 
     n = 4
     trace = simulate_ring_all_reduce([torch.full((8,), 2.0**r) for r in range(n)])
-    states = viz.ring_states(trace)
+    states = plots.ring_states(trace)
     assert len(states) == len(trace.states) == 2 * (n - 1) + 1  # start + reduce-scatter + all-gather rounds
     for state, buffers in zip(states, trace.states):
         for r in range(n):
@@ -97,7 +97,7 @@ def test_viz_ring_replay_matches_the_simulated_buffers():
                 expected = float(sum(2**k for k in state["holds"][r][c]))
                 assert buffers[r].reshape(-1)[lo:hi].tolist() == [expected] * (hi - lo), (state["title"], r, c)
     assert all(h == set(range(n)) for row in states[-1]["holds"] for h in row)
-    fig = viz.plot_ring_steps(trace)
+    fig = plots.plot_ring_steps(trace)
     assert len([ax for ax in fig.axes if ax.patches]) == len(states)  # one drawn grid per round
     with pytest.raises(ValueError, match="phase"):
-        viz.ring_states([{"phase": "broadcast", "step": 0, "sender": 0, "receiver": 1, "chunk": 0}])
+        plots.ring_states([{"phase": "broadcast", "step": 0, "sender": 0, "receiver": 1, "chunk": 0}])

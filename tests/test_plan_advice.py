@@ -15,10 +15,10 @@ import re
 
 import pytest
 
+from minifsdp.commands.cli import main
 from minifsdp.memory.plan import STRATEGIES, Run, peak
 from minifsdp.memory.plan_shapes import preset
 from minifsdp.memory.plan_time import GPUS, advise, fits
-from minifsdp.tools.cli import main
 
 
 def _json(capsys, *argv) -> dict:

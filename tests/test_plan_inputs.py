@@ -15,9 +15,9 @@ import time
 import pytest
 
 from minifsdp.comm.ring import chunk_bounds
+from minifsdp.commands.cli import main
 from minifsdp.memory.plan import Run, model_state, ring_all_reduce_sent
 from minifsdp.memory.plan_shapes import preset
-from minifsdp.tools.cli import main
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:

@@ -20,12 +20,12 @@ import math
 import pytest
 import torch
 
+from minifsdp.commands.cli import main
 from minifsdp.memory import zero_formulas
 from minifsdp.memory.plan import Run, bytes_sent, collectives, model_state, moments, peak
 from minifsdp.memory.plan_shapes import PRESETS, ModelShape, preset, shape_from_args
 from minifsdp.memory.plan_time import GPUS, report, step_time
 from minifsdp.models import MLP, Block, GPTConfig, TinyGPT
-from minifsdp.tools.cli import main
 
 LLAMA = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320, "llama-70b": 68_976_648_192}  # Llama 2's
 GPT2 = {"gpt2": 124_439_808, "gpt2-xl": 1_557_611_200}  # Hugging Face's counts for openai-community/gpt2(-xl)

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from minifsdp.commands.cli import main
 from minifsdp.memory.gpus import GPUS, gpu
 from minifsdp.memory.hf_config import shape_from_hf_config
 from minifsdp.memory.plan import Run, bytes_sent, moments, peak
 from minifsdp.memory.plan_shapes import preset
-from minifsdp.tools.cli import main
 
 
 def _json(capsys, *argv) -> dict:

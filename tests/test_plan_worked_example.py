@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minifsdp.tools.cli import main
+from minifsdp.commands.cli import main
 
 CHAPTER = Path(__file__).resolve().parents[1] / "chapters" / "02_fsdp_core_deeper.md"  # chapter 2.3, going deeper
 

@@ -62,17 +62,17 @@ def test_notebooks_save_figures_into_the_checkout_only_when_asked(tmp_path, monk
     saves or writes appears in a notebook's code).  The README's commands write ``out/``, which git ignores."""
     from matplotlib.figure import Figure
 
-    from minifsdp.tools import viz
+    from minifsdp.pictures import plots
 
     (tmp_path / "chapters").mkdir()
     fig = Figure(figsize=(1, 1))
-    monkeypatch.delenv(viz.SAVE_FIGURES_ENV, raising=False)
-    path = viz.save_figure(fig, "hygiene_probe", root=tmp_path)
+    monkeypatch.delenv(plots.SAVE_FIGURES_ENV, raising=False)
+    path = plots.save_figure(fig, "hygiene_probe", root=tmp_path)
     assert path.exists() and tmp_path not in path.parents, path
     assert not (tmp_path / "chapters" / "figures").exists()
-    monkeypatch.setenv(viz.SAVE_FIGURES_ENV, "1")
+    monkeypatch.setenv(plots.SAVE_FIGURES_ENV, "1")
     want = tmp_path / "chapters" / "figures" / "hygiene_probe.png"
-    assert viz.save_figure(fig, "hygiene_probe", root=tmp_path) == want and want.exists()
+    assert plots.save_figure(fig, "hygiene_probe", root=tmp_path) == want and want.exists()
 
     writes = re.compile(r"\.savefig\(|\bimsave\(|torch\.save\(|np\.save|\.to_csv\(|open\([^)]*['\"][wa]b?['\"]")
     unsafe = []

@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from minifsdp.tools.route import Route, step_route, trace
+from minifsdp.pictures.route import Route, step_route, trace
 
 
 def test_the_tool_counts_a_planted_extra_hop(tmp_path, monkeypatch):

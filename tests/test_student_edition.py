@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from minifsdp.tools.course import CourseError, read_points
-from minifsdp.tools.course_copy import INSTRUCTOR_ONLY
-from minifsdp.tools.course_cut import cut_source, find_cuts, graded_bodies, surviving_answers
-from minifsdp.tools.course_rules import ANSWERED_BY
-from minifsdp.tools.course_syllabus import GUIDE, schedule, syllabus
+from minifsdp.classroom.course_copy import INSTRUCTOR_ONLY
+from minifsdp.classroom.course_cut import cut_source, find_cuts, graded_bodies, surviving_answers
+from minifsdp.classroom.course_rules import ANSWERED_BY
+from minifsdp.classroom.course_syllabus import GUIDE, schedule, syllabus
+from minifsdp.classroom.points import CourseError, read_points
 from tests._student_edition import student_edition
 
 ROOT = Path(__file__).resolve().parents[1]

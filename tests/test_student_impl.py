@@ -20,9 +20,9 @@ import io
 
 import pytest
 
-from minifsdp.tools.cli import main
-from minifsdp.tools.student import parse_student
-from minifsdp.tools.train_checks import JobError
+from minifsdp.classroom.student import parse_student
+from minifsdp.commands.cli import main
+from minifsdp.training.checks import JobError
 
 CASES = {
     "reference": ["--student", "reference"],

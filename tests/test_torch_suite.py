@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from minifsdp.tools import torch_suite as T
+from minifsdp.commands import torch_suite as T
 from tests.torch_suite import _harness as H
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">

@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minifsdp.commands import cli
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools import cli
 from tests._workers_fsdp import assert_bitwise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_lr_follows_linear_warmup_then_cosine(base):
 def test_plateau_halves_the_lr_after_patience_steps_without_improvement():
     from types import SimpleNamespace
 
-    from minifsdp.tools.train import PLATEAU, _scheduler
+    from minifsdp.training.train import PLATEAU, _scheduler
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = _scheduler(opt, SimpleNamespace(schedule="plateau", warmup=0, steps=100))
@@ -266,7 +266,7 @@ def test_a_trained_model_beats_the_untrained_one_on_text_it_never_saw(tmp_path, 
     The planted fault at the end (the untrained weights in place of the trained ones) fails both.
     """
     from minifsdp.models import load_corpus
-    from minifsdp.tools.generate import char_loss, load_trained, sample
+    from minifsdp.training.generate import char_loss, load_trained, sample
 
     d = tmp_path / "run"
     assert train("--world-size", "2", "--model", "tiny", "--steps", "100", "--lr", "1e-2", "--warmup", "10",

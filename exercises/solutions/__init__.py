@@ -4,12 +4,12 @@
 ``--impl=reference`` and the learner's ``exercises.<name>`` under ``--impl=student``, and either runs in the
 learner's process, never in the grader's; the tests compute what each function must return from the library
 or from torch, never from these files.  Where the library is the answer, the student edition cuts it out of
-its library (``minifsdp/tools/course_cut.py``: a stub there calls the learner's function instead), so the
+its library (``minifsdp/classroom/course_cut.py``: a stub there calls the learner's function instead), so the
 answer here is written out, never imported from the library; so is the answer to a task whose function the
 library keeps (its chapters run it: 1.1, 2.3a, 3.2a, 4.2), because a task's rules forbid importing the
 library's own answer (``course_rules.ANSWERED_BY``).  A library function a task builds on but does not
 rebuild (2.5's prefetch order, 4.1a's dtypes) is re-exported.  Every module imports only ``minifsdp`` and
-torch and obeys its task's rules (``minifsdp/tools/course_rules.py``), so copying it over its stub
+torch and obeys its task's rules (``minifsdp/classroom/course_rules.py``), so copying it over its stub
 (``exercises/solutions/ring_collectives.py`` -> ``exercises/ring_collectives.py``) gives a stub module that
 earns every point, in the student edition too: CI does exactly that there.
 

@@ -1,7 +1,7 @@
 """The answers to tasks 3.2a, 3.2b and 3.3 (``exercises/practice_tasks.py``).
 
-3.2a is the train job's own schedule (``minifsdp.tools.train.lr_factor``), written out.  3.2b reads a job's log records
-in order and names each bad step by the first rule that fires; 3.3 sums a rank's trace spans by name.
+3.2a is the train job's own schedule (``minifsdp.training.train.lr_factor``), written out.  3.2b reads a job's log
+records in order and names each bad step by the first rule that fires; 3.3 sums a rank's trace spans by name.
 """
 
 from __future__ import annotations

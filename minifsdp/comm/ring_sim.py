@@ -6,7 +6,7 @@ same :func:`~minifsdp.comm.ring.chunk_bounds` and the same "which chunk at which
 functions from :mod:`minifsdp.comm.ring` -- and returns a :class:`RingTrace`: the
 result on every rank, one :class:`RingStep` per message, and a snapshot of
 every rank's buffer after each step.  :func:`print_ring` renders it as text;
-``minifsdp.tools.viz`` draws it.
+``minifsdp.pictures.plots`` draws it.
 
 Within a step all ranks send at once, so every message of a step is read from
 the buffers as they were *before* the step (a real ring does the same: it

@@ -12,7 +12,7 @@ The learner types a parameter's shape and picks N; the explorer shards it both w
     shape (5, 4) at N = 2     FSDP1: rank 0 numbers [0, 10) = row 0 .. row 2 col 1;  rank 1 [10, 20)
                               FSDP2: rank 0 rows [0, 3);  rank 1 rows [3, 5) + 1 padding row (4 numbers)
 
-The panel prints both per rank and draws them with ``minifsdp.tools.viz_fsdp2.plot_layouts``.
+The panel prints both per rank and draws them with ``minifsdp.pictures.fsdp2_plots.plot_layouts``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from minifsdp.explorers.panel import live_panel, with_kernel_line
 from minifsdp.explorers.panel import show as show_panel
 from minifsdp.fsdp.core.flat_param import build_layout
 from minifsdp.fsdp2.core.param import chunk_rows, local_row_range
-from minifsdp.tools.viz_fsdp2 import plot_layouts
+from minifsdp.pictures.fsdp2_plots import plot_layouts
 
 __all__ = ["DEFAULT", "FlatSlice", "RowChunk", "FlatVsRows", "parse_shape", "compute", "format_view", "fallback",
            "panel", "show"]

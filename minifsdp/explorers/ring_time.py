@@ -19,7 +19,7 @@ tree's latency grows as log N but every round carries all S bytes.  So small mes
 tree, large ones the ring: the crossing moves as the learner turns alpha and the bandwidth.
 
 Beside the model the panel draws the ring itself at step k of 2(N-1) (the slider notebook 02 had: the states of
-``minifsdp.comm.ring_sim.simulate_ring_all_reduce``, drawn by ``minifsdp.tools.viz.draw_ring_step``), and, at
+``minifsdp.comm.ring_sim.simulate_ring_all_reduce``, drawn by ``minifsdp.pictures.plots.draw_ring_step``), and, at
 N = 2 and 4, the all-reduce times measured on this machine by ``python -m minifsdp bench collectives``
 (``chapters/results/bench_collectives.json``, gloo's all-reduce: a real machine's points, not the model's).
 """
@@ -37,7 +37,7 @@ from minifsdp.comm.ring import all_gather_chunks, chunk_bounds, reduce_scatter_c
 from minifsdp.comm.ring_sim import simulate_ring_all_reduce
 from minifsdp.explorers.panel import live_panel, with_kernel_line
 from minifsdp.explorers.panel import show as show_panel
-from minifsdp.tools.viz import draw_ring_step, ring_states
+from minifsdp.pictures.plots import draw_ring_step, ring_states
 
 __all__ = ["DEFAULT", "ALGORITHMS", "Cost", "RingTimes", "ring_cost", "parameter_server_cost", "tree_cost",
            "measured_points", "compute", "format_times", "fallback", "panel", "show"]

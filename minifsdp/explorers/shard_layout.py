@@ -27,7 +27,7 @@ from minifsdp.explorers.panel import show as show_panel
 from minifsdp.fsdp.core.flat_param import FlatParamLayout, build_layout
 from minifsdp.fsdp.core.strategy import ShardingPlan, ShardingStrategy
 from minifsdp.models import GPTConfig, TinyGPT
-from minifsdp.tools.viz_fsdp import plot_flat_layout
+from minifsdp.pictures.fsdp_plots import plot_flat_layout
 
 __all__ = ["MODELS", "STRATEGIES", "DEFAULT", "UnitLayout", "ShardView", "compute", "format_view", "fallback",
            "panel", "show"]

@@ -4,6 +4,7 @@ torch's own test suites test torch's programs.  Users write others: a block that
 gradients accumulated in bf16 over three backwards, a state dict taken between two steps.  The fuzzer draws
 such programs from a seed and runs each on both sides in the same ranks, comparing what a user would see:
 losses, gradients, parameters, dtypes, state dicts, the order of collectives, the exceptions raised.
+Chapter 6 (``chapters/06_when_fsdp_goes_wrong.md``, "Beyond the reports") shows what it found.
 
     program.py    a program as data, drawn from a seed             python -m minifsdp fuzz --cases N --seed S
     trees.py      the models programs build                         [--impl fsdp1|fsdp2] [--shrink]

@@ -1,6 +1,6 @@
 """The graded tasks and projects of the course (``exercises/``), and how a test reaches the code it grades.
 
-The process that grades never imports the learner's code (``minifsdp/tools/course_remote.py`` says why):
+The process that grades never imports the learner's code (``minifsdp/classroom/course_remote.py`` says why):
 
 * a test asks the fixture ``learner`` for a stand-in of the module under test (``learner("launch_tasks")``);
   each function called on it runs in the learner's process, under the task's rules, and hands back plain data;
@@ -11,7 +11,7 @@ The process that grades never imports the learner's code (``minifsdp/tools/cours
   own process or in a spawn that runs no learner code, and compares.  Inputs are drawn from the grading seed
   (``--course-seed``, the ``course_seed`` fixture) where a fixed input could be answered by a lookup.
 
-What ``python -m minifsdp course grade`` relies on (``minifsdp/tools/course.py``):
+What ``python -m minifsdp course grade`` relies on (``minifsdp/classroom/points.py``):
 
 * a test's task: ``test_task2_2a_...`` grades task ``2.2a``; a test under ``tests/exercises/projects/``
   grades ``project-<name>``, named by its folder (``projects/zero1/test_*.py``) or its file
@@ -70,8 +70,8 @@ def learner_ranks(fn, args: tuple, world_size: int, timeout_s: float = 120.0) ->
     ``course_remote.to_bytes`` of its outputs: every rank's outputs, read back as data only.  A rank that died or
     hung fails the test in one line: the learner's file and line, and the exception (gloo's, for a deadlock)."""
     import minifsdp
+    from minifsdp.classroom.course_remote import failure_in_text, from_bytes
     from minifsdp.launch import RankFailedError
-    from minifsdp.tools.course_remote import failure_in_text, from_bytes
 
     try:
         raw = minifsdp.spawn(fn, args=args, world_size=world_size, timeout_s=timeout_s)
@@ -84,7 +84,7 @@ def learner_ranks(fn, args: tuple, world_size: int, timeout_s: float = 120.0) ->
 
 def outcome_line(result: dict) -> str:
     """A learner call's failure (``course_remote.capture``'s ``raised``) in one line."""
-    from minifsdp.tools.course_remote import describe
+    from minifsdp.classroom.course_remote import describe
 
     return describe(result["raised"])
 
@@ -95,7 +95,7 @@ def anyone_failed(failed: bool) -> bool:
     import torch
     import torch.distributed as dist
 
-    from minifsdp.tools.course_rules import enforce
+    from minifsdp.classroom.course_rules import enforce
 
     flag = torch.tensor([float(failed)])
     with enforce(()):

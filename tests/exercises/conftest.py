@@ -1,8 +1,8 @@
 """How the graded tests run: the learner's code apart, the rules first, only the tasks asked for, one line each.
 
 * ``--course-task 2.2a,project-zero1`` (``tests/conftest.py``) keeps the tests of those tasks
-  (``minifsdp.tools.course.task_of`` maps a test to its task) and deselects the others.
-* Before a graded test sets anything up, its task's file is read (``minifsdp/tools/course_rules.py``): a stub
+  (``minifsdp.classroom.points.task_of`` maps a test to its task) and deselects the others.
+* Before a graded test sets anything up, its task's file is read (``minifsdp/classroom/course_rules.py``): a stub
   of the task still in it reads ``task 2.2a not done yet: exercises/ring_collectives.py ring_reduce_scatter``
   (nothing runs, no spawn waits); a broken rule reads ``rule broken: exercises/x.py:12: ...``.  Both are the
   test's failure, not an error of its setup.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from minifsdp.tools.course import not_done, read_points, task_of
-from minifsdp.tools.course_remote import LearnerProcess, learner_module
-from minifsdp.tools.course_rules import LEARNER_FILES, file_verdict
+from minifsdp.classroom.course_remote import LearnerProcess, learner_module
+from minifsdp.classroom.course_rules import LEARNER_FILES, file_verdict
+from minifsdp.classroom.points import not_done, read_points, task_of
 from tests.exercises import module_name
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ in a fresh interpreter of its own (never in this one: the learner's code decides
 
 Each run says how the learner's test ended on a line that carries a number this test drew and handed over on the
 run's standard input, read before the learner's module is imported: a line the learner's code prints cannot pass
-for it.  Task 5.3's rule (``minifsdp/tools/course_rules.py``: no environment, no files, no planting code) keeps a
+for it.  Task 5.3's rule (``minifsdp/classroom/course_rules.py``: no environment, no files, no planting code) keeps a
 test that asks how it is run, rather than what FSDP2 does, from passing.  ``--impl=reference`` grades the
 instructor's test (not in the student edition), which proves the fault catchable.
 """
@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from minifsdp.tools.course_remote import failure_in_text
+from minifsdp.classroom.course_remote import failure_in_text
 from tests.planted_faults.plant import FAULT_ENV, REPORT_ENV, prepare
 from tests.planted_faults.task_faults import TASK_5_3_FAULT
 
@@ -40,7 +40,7 @@ CHILD = f"""
 import sys, traceback
 def main():
     nonce = sys.stdin.readline().strip()
-    from minifsdp.tools.course_rules import enforce_here
+    from minifsdp.classroom.course_rules import enforce_here
     from tests.exercises import impl_module
     enforce_here(("5.3",))
     try:

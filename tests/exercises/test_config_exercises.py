@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minifsdp.classroom.course_remote import capture, raise_again
 from minifsdp.models import Block, TinyGPT
-from minifsdp.tools.course_remote import capture, raise_again
 from tests.exercises import module_name
 
 

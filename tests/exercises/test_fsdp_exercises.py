@@ -36,8 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import minifsdp
-from minifsdp.tools.course_remote import capture, to_bytes
-from minifsdp.tools.course_rules import enforce_here
+from minifsdp.classroom.course_remote import capture, to_bytes
+from minifsdp.classroom.course_rules import enforce_here
 from tests.exercises import learner_group, learner_ranks, module_name, outcome_line
 
 SPAWNED_TASKS = ("2.1b", "2.1c")

@@ -18,8 +18,8 @@ import pytest
 import torch.nn as nn
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
 
+from minifsdp.classroom.course_remote import capture, raise_again
 from minifsdp.fsdp.core.wrap import recursive_wrap
-from minifsdp.tools.course_remote import capture, raise_again
 from tests.exercises import module_name
 
 

@@ -2,7 +2,7 @@
 instructor's answer (the textbook ring), on 3 ranks.
 
 The ranks are the learner's processes: under the tasks' rule (point-to-point messages only: a collective raises
-there, ``minifsdp/tools/course_rules.py``), each rank calls the functions on its own data, for the group of all 3
+there, ``minifsdp/classroom/course_rules.py``), each rank calls the functions on its own data, for the group of all 3
 ranks and for the pair of ranks 0 and 1 (fresh groups per task, with a short timeout: a deadlock fails that task
 with gloo's "Timed out waiting ..." and the learner's line, and the next task still runs), and hands back what
 it got (``tests/exercises/__init__.py``: ``learner_ranks``).  This process decides.
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minifsdp.tools.course_remote import capture, to_bytes
-from minifsdp.tools.course_rules import enforce_here
+from minifsdp.classroom.course_remote import capture, to_bytes
+from minifsdp.classroom.course_rules import enforce_here
 from tests.exercises import (
     anyone_failed,
     learner_group,

@@ -1,7 +1,7 @@
 """The command line on one GPU: ``compare --device cuda`` and ``bench fsdp --device cuda``, as a user runs them.
 
 Oracles: ``compare``'s own verdict, ours against torch FSDP1 and against torch DDP at one rank, BITWISE
-(deterministic kernels on both sides, ``minifsdp/tools/compare.py``); with ``--impl fsdp2`` the verdict
+(deterministic kernels on both sides, ``minifsdp/training/compare.py``); with ``--impl fsdp2`` the verdict
 may also be "within tol": AdamW picks its multi-tensor kernels for torch's DTensor parameters by their
 type, and our per-parameter shards' type decides ours (``tests/gpu/test_fsdp2_cuda.py`` compares
 fully_shard itself, bitwise, with one optimizer loop on both sides).  ``bench fsdp``: every trainer

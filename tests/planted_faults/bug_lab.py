@@ -1,7 +1,7 @@
 """The find-the-bug lab's faults: planted faults of chapters 2-5, and how a student can find each.
 
 ``LAB``: a fault's name in ``catalog.py`` -> (the chapter, the way the chapter's tools show it, what it
-looks like).  ``python -m minifsdp course bug`` plants one per lab (``minifsdp/tools/course_bug.py``); its
+looks like).  ``python -m minifsdp course bug`` plants one per lab (``minifsdp/classroom/course_bug.py``); its
 grading runs the fault's catalog test (``Fault.test``) on a clean copy of the library with the student's
 version of the planted file in place: ``tests/test_planted_faults.py`` proves in CI that each of those tests
 fails with the fault planted and passes without it.  Instructor only: the student edition leaves this file out

@@ -251,7 +251,7 @@ FAULTS = [
     Fault(
         name="bench_ratio_inverted",
         plants="the bench harness states a ratio as the reference over the contender, so a slower one reads faster",
-        target="minifsdp.tools.bench_harness:ratio",
+        target="minifsdp.bench.harness:ratio",
         old="return value / reference",
         new="return reference / value",
         test="tests/test_bench_harness.py::test_medians_and_ratios_read_a_slower_contender_above_one",
@@ -378,7 +378,7 @@ FAULTS = [
     Fault(
         name="grader_counts_a_skipped_test",
         plants="course grade gives a task its points when one of its tests was skipped (only failures count)",
-        target="minifsdp.tools.course:score",
+        target="minifsdp.classroom.points:score",
         old='bad = [c for c in mine if c["outcome"] != "passed"]',
         new='bad = [c for c in mine if c["outcome"] in ("failed", "error")]',
         test="tests/test_course.py::test_points_come_from_every_test_of_a_task_passing",
@@ -433,7 +433,7 @@ FAULTS = [
     Fault(
         name="save_figure_ignores_the_switch",
         plants="save_figure writes into chapters/figures/ on every run, switch or not (a test run dirties the clone)",
-        target="minifsdp.tools.viz:save_figure",
+        target="minifsdp.pictures.plots:save_figure",
         old="if os.environ.get(SAVE_FIGURES_ENV) != \"1\":",
         new="if False:",
         test="tests/test_repo_hygiene.py::test_notebooks_save_figures_into_the_checkout_only_when_asked",
@@ -444,7 +444,7 @@ FAULTS = [
     Fault(
         name="train_scaler_state_not_saved",
         plants="python -m minifsdp train saves no grad scaler state: an fp16 run resumes with a fresh scale",
-        target="minifsdp.tools.train:_save",
+        target="minifsdp.training.train:_save",
         old='"scaler": scaler.state_dict() if scaler is not None else None',
         new='"scaler": None',
         test="tests/test_train_resume.py::test_resume_is_bitwise_the_run_that_never_stopped[ours-fp16]",
@@ -454,7 +454,7 @@ FAULTS = [
     Fault(
         name="train_torch_checkpoint_rng_of_rank_0",
         plants="a torch-fsdp1/fsdp2 checkpoint gives every rank rank 0's RNG state on resume",
-        target="minifsdp.tools.train_impls:load_torch_checkpoint",
+        target="minifsdp.training.impls:load_torch_checkpoint",
         old="return extras[dist.get_rank()] if len(extras) == dist.get_world_size() else extras[0]",
         new="return extras[0]",
         test="tests/test_train_resume.py::test_resume_is_bitwise_the_run_that_never_stopped[torch-fsdp2-bf16]",
@@ -463,7 +463,7 @@ FAULTS = [
     Fault(
         name="train_log_keeps_crashed_steps",
         plants="a resume keeps the log lines of the steps after its checkpoint (a crash's steps are logged twice)",
-        target="minifsdp.tools.train:_open_log",
+        target="minifsdp.training.train:_open_log",
         old='json.loads(line)["step"] <= start',
         new='json.loads(line)["step"] > 0',
         test="tests/test_train_resume.py::test_resume_is_bitwise_the_run_that_never_stopped[ours-fp32]",
@@ -534,7 +534,7 @@ FAULTS = [
         name="zero_bench_baseline_after_build",
         plants="the DeepSpeed bench takes its census baseline after building the trainer, so it counts only what the "
                "first step adds (the gradients and Adam's state), not the parameters",
-        target="minifsdp.tools.bench_zero:zero_rank",
+        target="minifsdp.bench.zero:zero_rank",
         old="before = live_tensor_bytes()\n        trainer = build(name, copy.deepcopy(model), batch_size, "
             "bucket_elements)",
         new="trainer = build(name, copy.deepcopy(model), batch_size, bucket_elements)\n        "

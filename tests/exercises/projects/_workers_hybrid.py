@@ -34,11 +34,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
+from minifsdp.classroom.course_remote import capture, to_bytes
+from minifsdp.classroom.course_rules import enforce_here
 from minifsdp.comm.ring import all_gather_chunks, chunk_bounds, count_bytes, reduce_scatter_chunks
 from minifsdp.fsdp.torch_options import hybrid_groups
 from minifsdp.models import MLP
-from minifsdp.tools.course_remote import capture, to_bytes
-from minifsdp.tools.course_rules import enforce_here
 from tests.exercises import learner_group
 
 DIMS = (16, 33, 31, 8)

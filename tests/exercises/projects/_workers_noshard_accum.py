@@ -32,12 +32,12 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_wrap_policy
 
+from minifsdp.classroom.course_remote import capture, describe, to_bytes
 from minifsdp.comm.counting import count_bytes
 from minifsdp.fsdp import FSDP
 from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy
 from minifsdp.memory.tracker import MemoryTracker
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools.course_remote import capture, describe, to_bytes
 from tests.exercises import learner_group
 
 K, BATCH = 3, 2
@@ -175,7 +175,7 @@ def learner_on_rank(name: str, seed: int) -> bytes:
     """On every rank, the learner's functions: {world size: {strategy: record}} for the world sizes this rank is
     in, or {"raised": ...}.  Every torch FSDP1 run comes before any of ours, so no thread of our collectives is
     alive in the process while torch's bytes are counted."""
-    from minifsdp.tools.course_rules import enforce_here
+    from minifsdp.classroom.course_rules import enforce_here
 
     enforce_here(("project-noshard-accum",))
     groups = {n: learner_group(members) for n, members in WORLDS.items()}  # on every rank

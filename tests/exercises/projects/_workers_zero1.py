@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from minifsdp.classroom.course_remote import capture, to_bytes
+from minifsdp.classroom.course_rules import enforce_here
 from minifsdp.memory.census import live_tensor_bytes
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools.course_remote import capture, to_bytes
-from minifsdp.tools.course_rules import enforce_here
 from tests.exercises import learner_group
 
 STEPS, BATCH = 3, 4

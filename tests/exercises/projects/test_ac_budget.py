@@ -31,7 +31,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from exercises.projects.ac_budget.tower import HIDDEN, Tower, make_batch, run
-from minifsdp.tools.course_remote import capture, raise_again
+from minifsdp.classroom.course_remote import capture, raise_again
 from tests.exercises import module_name
 
 PROJECT = "project-ac-budget"

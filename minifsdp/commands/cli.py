@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from minifsdp.comm import COLLECTIVE_KINDS
-from minifsdp.tools.devices import DeviceError, add_device_argument
+from minifsdp.training.devices import DeviceError, add_device_argument
 
 
 def _threads(text: str) -> int | None:
@@ -40,15 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     add_device_argument(p_cmp)
 
     p_train = sub.add_parser("train", help="train the tiny GPT for real: progress, schedule, checkpoints, resume")
-    from minifsdp.tools.train import add_arguments
+    from minifsdp.training.train import add_arguments
 
     add_arguments(p_train)
-    from minifsdp.tools.student import add_student_argument
+    from minifsdp.classroom.student import add_student_argument
 
-    add_student_argument(p_train)  # --impl student: your exercise functions inside our FSDP (student.py)
+    add_student_argument(p_train)  # --impl student: your exercise functions inside our FSDP (classroom/student.py)
 
     p_gen = sub.add_parser("generate", help="sample text from a train run's consolidated weights")
-    from minifsdp.tools.generate import add_arguments as add_generate_arguments
+    from minifsdp.training.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(p_gen)
 
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--link-ms", type=float, default=0.0,
                          help="overlap: simulated wire time per collective (ours only), to show what overlap hides")
 
-    from minifsdp.tools.plan_cli import PARSER_OPTIONS as PLAN_OPTIONS
-    from minifsdp.tools.plan_cli import add_arguments as add_plan_arguments
+    from minifsdp.commands.plan import PARSER_OPTIONS as PLAN_OPTIONS
+    from minifsdp.commands.plan import add_arguments as add_plan_arguments
 
     p_plan = sub.add_parser("plan", help="will it fit: memory, bytes and time per GPU at real scale, before a run",
                             **PLAN_OPTIONS)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # course: run a class (the student edition, the grader with points, the find-the-bug lab)
     p_course = sub.add_parser("course", help="run a class: the student edition, the grader, the find-the-bug lab")
-    from minifsdp.tools.course import add_arguments as add_course_arguments
+    from minifsdp.classroom.course import add_arguments as add_course_arguments
 
     add_course_arguments(p_course)
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "route":
-        from minifsdp.tools.route import main as route_main
+        from minifsdp.pictures.route import main as route_main
 
         return route_main()
     if args.command == "fuzz":
@@ -130,34 +130,34 @@ def main(argv: list[str] | None = None) -> int:
 
         return fuzz_command(args)
     if args.command == "plan":
-        from minifsdp.tools.plan_cli import run_plan
+        from minifsdp.commands.plan import run_plan
 
         return run_plan(args)
 
     if args.command == "course":
-        from minifsdp.tools.course import run_course
+        from minifsdp.classroom.course import run_course
 
         return run_course(args)
     if args.command == "torch-suite":
-        from minifsdp.tools.torch_suite import run_torch_suite
+        from minifsdp.commands.torch_suite import run_torch_suite
 
         return run_torch_suite(args)
     if args.command in ("train", "generate"):
-        from minifsdp.tools.train_checks import JobError
+        from minifsdp.training.checks import JobError
 
         try:
             if args.command == "train" and args.student is not None and args.impl != "student":
                 raise JobError(f"--student chooses what --impl student plugs in; drop it, or use --impl student "
                                f"(not {args.impl})")
             if args.command == "train" and args.impl == "student":
-                from minifsdp.tools.student import run_student
+                from minifsdp.classroom.student import run_student
 
                 return run_student(args)
             if args.command == "train":
-                from minifsdp.tools.train import run_train
+                from minifsdp.training.train import run_train
 
                 return run_train(args)
-            from minifsdp.tools.generate import run_generate
+            from minifsdp.training.generate import run_generate
 
             return run_generate(args)
         except (JobError, DeviceError) as e:
@@ -172,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(parser, args) -> int:
     if args.command == "compare":
-        from minifsdp.tools.compare import run_compare
+        from minifsdp.training.compare import run_compare
 
         return run_compare(args)
     if args.command == "bench":
         if args.what == "fsdp" and args.device == "cuda":
-            from minifsdp.tools.bench_fsdp_cuda import run_fsdp_bench_cuda
+            from minifsdp.bench.fsdp_cuda import run_fsdp_bench_cuda
 
             return run_fsdp_bench_cuda(args)
         if args.device != "cpu" or args.precision is not None:
@@ -190,10 +190,10 @@ def _run(parser, args) -> int:
         for name, value in defaults.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
-        from minifsdp.tools import bench, bench_fsdp, bench_overlap, bench_scale
+        from minifsdp.bench import collectives, fsdp, overlap, scale
 
-        return {"collectives": bench.run_collectives_bench, "fsdp": bench_fsdp.run_fsdp_bench,
-                "overlap": bench_overlap.run_bench, "precision": bench_overlap.run_bench,
-                "scale": bench_scale.run_scale_bench}[args.what](args)  # scale: ddp, ours, fsdp1; 4 ranks unless given
+        return {"collectives": collectives.run_collectives_bench, "fsdp": fsdp.run_fsdp_bench,
+                "overlap": overlap.run_bench, "precision": overlap.run_bench,
+                "scale": scale.run_scale_bench}[args.what](args)  # scale: ddp, ours, fsdp1; 4 ranks unless given
     parser.error(f"unknown command {args.command}")
     return 2

@@ -132,7 +132,7 @@ RULES = (
 )
 
 # the library's own answer to a task: the student edition cuts most of them from its library
-# (minifsdp/tools/course_cut.py), but a class is graded with this repository's library, where they are whole;
+# (minifsdp/classroom/course_cut.py), but a class is graded with this repository's library, where they are whole;
 # the rest the library keeps, because its chapters run them.  Either way, a one-line import is not an answer.
 ANSWERED_BY = {
     "1.1": ("minifsdp.ddp.buckets:assign_buckets", "minifsdp.ddp.buckets:fill_buckets"),
@@ -142,9 +142,9 @@ ANSWERED_BY = {
     "2.3a": ("minifsdp.memory.zero_formulas:model_state_bytes",),
     "2.3b": ("minifsdp.memory.zero_formulas:fsdp_model_state_bytes",),
     "2.4": ("minifsdp.memory.zero_formulas:bytes_sent_per_step",),
-    "3.2a": ("minifsdp.tools.train:lr_factor",),
-    "3.2b": ("minifsdp.tools.train_monitor:find_instability",),
-    "3.3": ("minifsdp.tools.train_monitor:exposed_communication",),
+    "3.2a": ("minifsdp.training.train:lr_factor",),
+    "3.2b": ("minifsdp.training.monitor:find_instability",),
+    "3.3": ("minifsdp.training.monitor:exposed_communication",),
     "4.2": ("minifsdp.fsdp.core.wrap:transformer_auto_wrap_policy",
             "torch.distributed.fsdp.wrap:transformer_auto_wrap_policy"),
     "4.3a": ("minifsdp.checkpoint.pieces:save_pieces",),

@@ -40,11 +40,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from minifsdp.classroom.student_plugs import FUNCTIONS, Plug, StudentError, plug_into
 from minifsdp.launch import RankFailedError, launched_by_torchrun, spawn
 from minifsdp.models import CharCorpus, TinyGPT
-from minifsdp.tools.student_plugs import FUNCTIONS, Plug, StudentError, plug_into
-from minifsdp.tools.train import MODELS, build, train_step
-from minifsdp.tools.train_checks import JobError, check_args
+from minifsdp.training.checks import JobError, check_args
+from minifsdp.training.train import MODELS, build, train_step
 
 __all__ = ["TASKS", "parse_student", "student_worker", "run_student", "add_student_argument"]
 

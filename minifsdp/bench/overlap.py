@@ -8,8 +8,8 @@ overlap: for each prefetch setting (none, BACKWARD_PRE, BACKWARD_POST, forward+B
 precision: fp32, bf16 and fp16 MixedPrecision, and activation checkpointing (each on our FSDP and
     on torch FSDP1): step time and peak memory split into parameters / gradients / activations.
 
-Timing: after one warm-up step each, one round of the bench harness (:mod:`minifsdp.tools.
-bench_harness`: turns, each time the slowest rank's, the median) is one step of each setting.  Threads: ``--threads``
+Timing: after one warm-up step each, one round of the bench harness (:mod:`minifsdp.bench.
+harness`: turns, each time the slowest rank's, the median) is one step of each setting.  Threads: ``--threads``
 intra-op threads per rank (gloo's own threads come on top of these).
 
 Measured (2026-12-02, 2 ranks on a 2-core AVX512-BF16 CPU shared with other jobs, load 6-14;
@@ -43,13 +43,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from minifsdp.bench import harness
+from minifsdp.bench.fsdp import CONFIGS, FSDP1, fsdp1
+from minifsdp.bench.step_costs import PREFETCH as SETTINGS
 from minifsdp.comm.collectives import TorchCollectives
 from minifsdp.memory.tracker import MemoryTracker, without_resident
 from minifsdp.models import Block, CharCorpus, TinyGPT
-from minifsdp.tools import bench_harness as harness
-from minifsdp.tools.bench_fsdp import CONFIGS, FSDP1, fsdp1
-from minifsdp.tools.step_costs import PREFETCH as SETTINGS
-from minifsdp.tools.tracing import Tracer
+from minifsdp.pictures.tracing import Tracer
 
 __all__ = ["run_bench", "overlap_worker", "precision_worker"]
 

@@ -200,7 +200,7 @@ def _run_target(target: str, args: tuple, kwargs: dict):
 
 def _serve(conn, environ: dict) -> None:
     """The learner's process: answer calls until the grader closes the pipe."""
-    from minifsdp.tools import course_rules
+    from minifsdp.classroom import course_rules
 
     if os.environ != environ:  # forked from the fork server: take the grader's environment
         os.environ.clear()

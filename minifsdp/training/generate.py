@@ -33,8 +33,8 @@ import os
 import torch
 
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools.devices import add_device_argument, resolve_device
-from minifsdp.tools.train_checks import JobError, checkpoint_steps, read_job
+from minifsdp.training.checks import JobError, checkpoint_steps, read_job
+from minifsdp.training.devices import add_device_argument, resolve_device
 
 __all__ = ["load_trained", "sample", "greedy", "char_loss", "add_arguments", "run_generate"]
 

@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from minifsdp.tools.course import CourseError
+from minifsdp.classroom.points import CourseError
 
 __all__ = ["START", "END", "ALIASES", "Cut", "marked", "find_cuts", "cut_source", "graded_bodies", "surviving_answers"]
 

@@ -34,7 +34,7 @@ The trainers run interleaved in the same processes, in the same minute, so the
 ratio of their step times is a fair comparison (absolute times depend on the
 machine and mean little).
 
-``--device cuda`` (``minifsdp/tools/devices.py``): rank r on GPU r over NCCL, every model moved
+``--device cuda`` (``minifsdp/training/devices.py``): rank r on GPU r over NCCL, every model moved
 there before it is wrapped, torch FSDP1 given ``device_id`` = that GPU, the meshes on "cuda", the
 collectives NCCL's (``--collectives torch``, the default there: our ring is written for gloo's
 CPU tensors), and deterministic kernels (cuBLAS's workspace setting and
@@ -65,7 +65,7 @@ import torch.nn as nn
 
 from minifsdp.launch import spawn
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools.devices import DeviceError, deterministic_cuda, rank_device, resolve_device, synchronize
+from minifsdp.training.devices import DeviceError, deterministic_cuda, rank_device, resolve_device, synchronize
 
 __all__ = ["run_compare", "TRAINERS", "STRATEGIES", "IMPLS", "compare_worker"]
 
@@ -292,7 +292,7 @@ def run_compare(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from minifsdp.tools.viz import plot_losses
+    from minifsdp.pictures.plots import plot_losses
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

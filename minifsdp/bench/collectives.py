@@ -2,7 +2,7 @@
 
 For each world size, one spawn; inside it, at each message size (1 KB .. max_mb, powers of 4),
 one all-reduce of each implementation per round, timed by the bench harness
-(:mod:`minifsdp.tools.bench_harness`: turns, each time the slowest rank's, the median after a
+(:mod:`minifsdp.bench.harness`: turns, each time the slowest rank's, the median after a
 warm-up).  Big sizes get fewer repeats so the whole bench stays within minutes.  The sweep over
 sizes runs three times and each size's median is over all three: on a shared 2-core VM a slow
 minute then touches every size a little instead of one size wholly.
@@ -15,7 +15,7 @@ machine, the same minute: the only kind of performance claim the book makes).
 Two regimes, reported apart: *latency* (messages up to 64 KB: time per call, in microseconds)
 and *bus bandwidth* (from 1 MB: GB/s).  Then, per implementation and world size, the
 latency-bandwidth model ``t = alpha + beta x bytes`` fitted by least squares on all sizes
-(:mod:`minifsdp.tools.bench_fit`): alpha is the fixed cost per call, 1/beta the bandwidth.
+(:mod:`minifsdp.bench.fit`): alpha is the fixed cost per call, 1/beta the bandwidth.
 With ``--json`` the plot (time against size, log-log, points and fitted lines) is saved next
 to the JSON file, as ``<name>.png``.
 
@@ -41,9 +41,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from minifsdp.bench import harness
+from minifsdp.bench.fit import AlphaBeta, fit_alpha_beta
 from minifsdp.comm import COLLECTIVE_KINDS, get_collectives
-from minifsdp.tools import bench_harness as harness
-from minifsdp.tools.bench_fit import AlphaBeta, fit_alpha_beta
 
 __all__ = ["run_collectives_bench", "bench_sizes", "bus_bandwidth", "fit_rows", "format_latency_bandwidth"]
 

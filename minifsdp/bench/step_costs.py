@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp.tools.bench_harness import interleave
+from minifsdp.bench.harness import interleave
 
 OURS = ("DDP", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "FULL_SHARD, no prefetch")
 TORCH = ("torch DDP", "torch FULL_SHARD", "torch SHARD_GRAD_OP", "torch NO_SHARD")
@@ -124,7 +124,7 @@ def step_bytes(kind: str) -> int:
 
 def step_collectives(kind: str) -> int:
     """How many collectives one forward + backward issues (torch's collectives, seen by the tracer)."""
-    from minifsdp.tools.viz_fsdp import CollectiveTracer
+    from minifsdp.pictures.fsdp_plots import CollectiveTracer
 
     model, opt = ready(kind)
     tracer = CollectiveTracer(None)

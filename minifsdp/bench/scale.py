@@ -52,11 +52,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from minifsdp.bench import harness
+from minifsdp.bench.fsdp import fsdp1
 from minifsdp.fsdp.deferred_init import tinygpt_param_init_fn
 from minifsdp.launch import RankFailedError
 from minifsdp.models import Block, GPTConfig, TinyGPT
-from minifsdp.tools import bench_harness as harness
-from minifsdp.tools.bench_fsdp import fsdp1
 
 __all__ = ["run_scale_bench", "trial", "params_of", "largest"]
 

@@ -48,9 +48,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from minifsdp.tools.course import CourseError
-from minifsdp.tools.course_cut import cut_source, graded_bodies, marked, surviving_answers
-from minifsdp.tools.course_syllabus import write_syllabus
+from minifsdp.classroom.course_cut import cut_source, graded_bodies, marked, surviving_answers
+from minifsdp.classroom.course_syllabus import write_syllabus
+from minifsdp.classroom.points import CourseError
 
 __all__ = ["INSTRUCTOR_ONLY", "AFTER_IT_PASSES", "student_copy", "student_files", "rewrite", "check_copy",
            "check_new_folder"]

@@ -10,7 +10,7 @@ Six trainers of the same TinyGPT (``GPTConfig.bench()``: 19.0M parameters, each
     ours_fsdp2   minifsdp.fully_shard (per-parameter, chapter 5), as fsdp2  <- also read against fsdp2
     ddp          torch DistributedDataParallel (gradient_as_bucket_view=True)
 
-Step time.  One round of the bench harness (:mod:`minifsdp.tools.bench_harness`:
+Step time.  One round of the bench harness (:mod:`minifsdp.bench.harness`:
 turns, each time the slowest rank's, ``--warmup`` rounds first) is one step of each
 trainer (zero_grad, forward, backward, optimizer.step); we keep the median of
 ``--steps`` rounds, and of the step's CPU time (``time.process_time``, every thread
@@ -60,7 +60,7 @@ the book makes.  Step time and peak are also printed as ratios to torch FSDP2
 (``x FSDP2``), the pair to read for ``ours_fsdp2``.
 
 The trainers (:func:`wrap`) and their time pass (:func:`time_trainers`: one round is one
-:func:`step` of each on the round's batch) are the GPU bench's too (``bench_fsdp_cuda``).
+:func:`step` of each on the round's batch) are the GPU bench's too (``fsdp_cuda.py``).
 
 Note: on a laptop the ranks share a few cores (4 ranks on 2 cores run at half
 speed each) and every link is the loopback interface; compute dominates, so
@@ -87,11 +87,11 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_au
 
 import minifsdp.fsdp as ours
 import minifsdp.fsdp2 as ours2
+from minifsdp.bench import harness
 from minifsdp.comm import stream as comm_stream
 from minifsdp.memory.census import live_tensor_bytes, return_freed_memory, rss_bytes
 from minifsdp.memory.tracker import CATEGORIES, MemoryTracker, snapshot
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools import bench_harness as harness
 
 __all__ = ["run_fsdp_bench", "TRAINERS", "CONFIGS", "bench_rank", "format_table", "FSDP1", "fsdp1", "wrap", "build",
            "step", "time_trainers"]

@@ -15,7 +15,7 @@ Configs (``--config``, a list runs each): the GPU measurements' sizes, and the C
 
     85m    GPTConfig(vocab_size=96, block_size=512,  n_layer=12, n_head=12, n_embd=768)    batch 16 per rank
     300m   GPTConfig(vocab_size=96, block_size=1024, n_layer=24, n_head=16, n_embd=1024)   batch 8 per rank
-    bench, small, tiny   (bench_fsdp.CONFIGS)                                            batch 2 per rank
+    bench, small, tiny   (fsdp.py's CONFIGS)                                          batch 2 per rank
 
 Precision (``--precision``, a list runs each):
 
@@ -31,8 +31,8 @@ workspaces exist before anything is measured):
            ``memory_allocated()`` then.  Wrap, then two steps in phases (forward, backward, optimizer step,
            zero_grad): ``reset_peak_memory_stats()`` before each phase, and after it the allocated bytes and
            ``max_memory_allocated()``, both over the baseline.  The trainer's peak = its largest phase peak.
-  time     every trainer built side by side (``bench_fsdp.wrap``: the CPU bench's trainers); ``--warmup``
-           steps each, then ``--steps`` rounds of the bench harness (``bench_harness.interleave``: turns,
+  time     every trainer built side by side (``fsdp.wrap``, ``bench/fsdp.py``: the CPU bench's); ``--warmup``
+           steps each, then ``--steps`` rounds of the bench harness (``harness.interleave``: turns,
            each time the slowest rank's), each step timed as
 
                torch.cuda.synchronize() -> t0 -> zero_grad, forward, backward, step -> synchronize() -> t1
@@ -56,11 +56,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from minifsdp.bench import fsdp as bench_fsdp
+from minifsdp.bench import harness
 from minifsdp.launch import RankFailedError
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools import bench_fsdp
-from minifsdp.tools import bench_harness as harness
-from minifsdp.tools.devices import rank_device, resolve_device, synchronize
+from minifsdp.training.devices import rank_device, resolve_device, synchronize
 
 __all__ = ["run_fsdp_bench_cuda", "bench_rank", "CONFIGS", "TRAINERS", "PRECISIONS", "summarize", "format_table"]
 

@@ -24,7 +24,7 @@ import math
 import re
 from pathlib import Path
 
-from minifsdp.tools.course import CourseError, Row, read_points
+from minifsdp.classroom.points import CourseError, Row, read_points
 
 __all__ = ["GUIDE", "POLICIES", "schedule", "syllabus", "write_syllabus"]
 

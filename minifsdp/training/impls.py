@@ -1,7 +1,7 @@
 """The three trainers behind ``python -m minifsdp train --impl``: wrap, clip, scale, checkpoint.
 
 (``--impl student`` is a fourth choice but no fourth trainer: it builds ours twice and plugs a
-student's exercise functions into the second; ``student.py`` runs and compares the two.)
+student's exercise functions into the second; ``minifsdp/classroom/student.py`` runs and compares the two.)
 
 The job (``train.py``) runs one loop; everything that differs between our FSDP and
 torch's lives here, one small function per difference:
@@ -40,7 +40,7 @@ from minifsdp.models import Block
 __all__ = ["IMPLS", "wrap", "make_scaler", "clip", "save_torch_checkpoint", "load_torch_checkpoint",
            "full_weights"]
 
-IMPLS = ("ours", "torch-fsdp1", "torch-fsdp2", "student")  # student: ours with your exercise functions (student.py)
+IMPLS = ("ours", "torch-fsdp1", "torch-fsdp2", "student")  # student: ours with your functions (classroom/student.py)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -62,7 +62,7 @@ def wrap(model: nn.Module, args, device: torch.device | None = None) -> nn.Modul
     dtype = DTYPES.get(args.mixed_precision)
     if args.impl == "student":
         raise ValueError("--impl student is a comparison job of its own: python -m minifsdp train --impl student "
-                         "(minifsdp.tools.student.run_student)")
+                         "(minifsdp.classroom.student.run_student)")
     if args.impl == "ours":
         from minifsdp.fsdp import FSDP, MixedPrecision, apply_activation_checkpointing
         from minifsdp.fsdp.core.wrap import transformer_auto_wrap_policy

@@ -11,7 +11,7 @@ this repository by ``course_class.py``):
    pipe no other process holds (``tests/planted_faults/outcomes.py``): a file written by the learner's code,
    which runs in processes that pytest starts, is refused.
 
-Then :func:`minifsdp.tools.course.score` turns outcomes into points.
+Then :func:`minifsdp.classroom.points.score` turns outcomes into points.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from minifsdp.tools.course import (
+from minifsdp.classroom.course_rules import file_verdict
+from minifsdp.classroom.points import (
     KEY_FD_ENV,
     OUTCOMES_ENV,
     PROJECTS,
@@ -39,7 +40,6 @@ from minifsdp.tools.course import (
     score,
     task_of,
 )
-from minifsdp.tools.course_rules import file_verdict
 
 __all__ = ["run_tests", "grade"]
 

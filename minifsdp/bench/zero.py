@@ -1,4 +1,4 @@
-"""``python -m minifsdp.tools.bench_zero``: DeepSpeed's ZeRO-2 and ZeRO-3 beside torch FSDP1 and ours, at 2 ranks.
+"""``python -m minifsdp.bench.zero``: DeepSpeed's ZeRO-2 and ZeRO-3 beside torch FSDP1 and ours, at 2 ranks.
 
 Chapters 2.3 and 4.4 cite ZeRO (Rajbhandari et al. 2019); FSDP is torch's implementation of its stage 3, and
 SHARD_GRAD_OP is close to its stage 2.  This bench runs DeepSpeed's own ZeRO on the book's model beside them:
@@ -20,7 +20,7 @@ same learning rate, fp32, on 2 CPU ranks over gloo.  Two phases, in one spawn:
    state and any buffer it holds (DeepSpeed's gradient bucket).  The optimizer's state is also counted apart,
    from the state dict of the torch optimizer each one steps (DeepSpeed's inner ``engine.optimizer.optimizer``).
 2. **Step time.**  All trainers built side by side and stepped in turns, ``--warmup`` rounds then ``--steps``
-   (:func:`minifsdp.tools.bench_harness.interleave`: the slowest rank's time of each call, the order rotated
+   (:func:`minifsdp.bench.harness.interleave`: the slowest rank's time of each call, the order rotated
    every round); medians, printed as ratios to ``fsdp1_full`` measured in the same run.
 
 Every trainer's loss at the first step is printed too: the same model and batch, so all must agree (fp32:
@@ -39,7 +39,7 @@ deepspeed is not a dependency of this project: the function that needs it import
 lazily).  Install it into a venv that has this project's torch::
 
     DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed
-    python -m minifsdp.tools.bench_zero --json chapters/results/deepspeed_zero.json
+    python -m minifsdp.bench.zero --json chapters/results/deepspeed_zero.json
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as torch_policy
 
 import minifsdp.fsdp as ours
+from minifsdp.bench import harness
 from minifsdp.memory.census import live_tensor_bytes
 from minifsdp.models import Block, CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools import bench_harness as harness
 
 __all__ = ["TRAINERS", "REFERENCE", "ds_config", "build", "zero_rank", "run", "main"]
 
@@ -216,7 +216,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m minifsdp.tools.bench_zero", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minifsdp.bench.zero", description=__doc__.split("\n")[0])
     parser.add_argument("--trainers", default=",".join(TRAINERS), help="a comma-separated subset of the trainers")
     parser.add_argument("--config", default="bench", choices=sorted(CONFIGS))
     parser.add_argument("--batch-size", type=int, default=2)
@@ -236,6 +236,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":  # run from the module's own name, so that the ranks can import zero_rank by reference
-    from minifsdp.tools.bench_zero import main as bench_main
+    from minifsdp.bench.zero import main as bench_main
 
     bench_main()

@@ -22,9 +22,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from minifsdp.tools.course import POINTS, CourseError, check_seed, failure_line, graded_rows, read_points
-from minifsdp.tools.course_rules import LEARNER_FILES
-from minifsdp.tools.course_run import grade
+from minifsdp.classroom.course_bug import grade_bug, has_bug_lab
+from minifsdp.classroom.course_rules import LEARNER_FILES
+from minifsdp.classroom.course_run import grade
+from minifsdp.classroom.points import POINTS, CourseError, check_seed, failure_line, graded_rows, read_points
 
 __all__ = ["overlay", "students", "grade_submissions", "feedback"]
 
@@ -97,8 +98,6 @@ def grade_submissions(root: Path, folder: Path, csv_path: Path | None, only: lis
     """Grade every student copy in ``folder`` into one CSV and a feedback file each: (the CSV, results by student).
     A copy's ``bug/`` folder, if it holds a lab ``course bug`` wrote, is graded too, from the instructor's ``key``
     (what was planted is read there, never in the student's folder)."""
-    from minifsdp.tools.course_bug import grade_bug, has_bug_lab
-
     seed = check_seed(seed)
     subs = students(folder)
     rows = [r for r in graded_rows(root, only) if r.task != "bug"]

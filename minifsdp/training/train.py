@@ -52,9 +52,9 @@ import torch.nn.functional as F
 from minifsdp.comm import COLLECTIVE_KINDS
 from minifsdp.launch import launched_by_torchrun, spawn
 from minifsdp.models import CharCorpus, GPTConfig, TinyGPT
-from minifsdp.tools import train_impls as impls
-from minifsdp.tools.devices import add_device_argument, rank_device, resolve_device
-from minifsdp.tools.train_checks import JobError, check_args, checkpoint_steps
+from minifsdp.training import impls
+from minifsdp.training.checks import JobError, check_args, checkpoint_steps
+from minifsdp.training.devices import add_device_argument, rank_device, resolve_device
 
 __all__ = ["run_train", "train_worker", "lr_factor", "add_arguments", "JobError", "MODELS"]
 
@@ -297,7 +297,7 @@ def _start_profile(model, args):
 
     tracer = None
     if args.impl == "ours":  # our units name their waits: "minifsdp all-gather wait blocks.0", ...
-        from minifsdp.tools.tracing import Tracer
+        from minifsdp.pictures.tracing import Tracer
 
         tracer = Tracer(model).__enter__()
     cuda = getattr(args, "device", "cpu") == "cuda"

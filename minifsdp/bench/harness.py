@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from minifsdp.launch import spawn
-from minifsdp.tools.devices import synchronize
+from minifsdp.training.devices import synchronize
 
 __all__ = ["ContenderError", "Timings", "interleave", "spread", "ratio", "add_ratios", "scaled", "table",
            "BenchRun", "run_ranks", "world_sizes", "choose", "say_on_rank0", "load_average", "save_json",

@@ -54,9 +54,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from minifsdp.tools.course import CourseError, read_points
-from minifsdp.tools.course_bug_fix import graded_fix
-from minifsdp.tools.course_copy import _instructor_only, check_new_folder
+from minifsdp.classroom.course_bug_fix import graded_fix
+from minifsdp.classroom.course_copy import _instructor_only, check_new_folder
+from minifsdp.classroom.points import CourseError, read_points
 
 __all__ = ["COMMANDS", "SEEDS", "check_seed", "lab_faults", "draw", "plant_file", "read_roster", "write_bug_lab",
            "write_roster_labs", "read_key", "grade_bug", "has_bug_lab", "named_place"]
