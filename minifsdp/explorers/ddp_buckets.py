@@ -35,14 +35,15 @@ from minifsdp.explorers.panel import show as show_panel
 from minifsdp.explorers.ring_time import ring_cost
 from minifsdp.models import GPTConfig, TinyGPT
 
-__all__ = ["MODELS", "CAPS_MB", "DEFAULT", "MiB", "FIRST_BUCKET_BYTES", "DEFAULT_CAP_MB", "torch_caps", "Bucket",
-           "BucketView", "timeline", "compute", "format_buckets", "fallback", "draw", "panel", "show"]
+__all__ = ["MODELS", "CAPS_MB", "BACKWARD_MS", "DEFAULT", "MiB", "FIRST_BUCKET_BYTES", "DEFAULT_CAP_MB", "torch_caps",
+           "Bucket", "BucketView", "timeline", "compute", "format_buckets", "fallback", "draw", "panel", "show"]
 
 MODELS = {"tiny": GPTConfig.tiny, "mini": GPTConfig.mini, "small": GPTConfig.small}
 MiB = 2**20  # torch's bucket_cap_mb counts MiB (_MB_TO_BYTES)
 DEFAULT_CAP_MB = 25  # torch's _DEFAULT_BUCKET_CAP_MB, the cap when bucket_cap_mb is left at None
 FIRST_BUCKET_BYTES = 2**20  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES: the first bucket's cap at the default
 CAPS_MB = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 25, "default")  # the slider's stops
+BACKWARD_MS = (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)  # the backward's time, the slider's stops
 DEFAULT = {"bucket_cap_mb": 0.02, "world_size": 4, "model": "tiny", "backward_ms": 0.5, "alpha_us": 10.0,
            "bandwidth_gbps": 10.0}
 
@@ -54,7 +55,10 @@ def torch_caps(bucket_cap_mb) -> list[int]:
     for every bucket, the first included (torch sets ``first_bucket_bytes_cap`` to it)."""
     if bucket_cap_mb in (None, "default"):
         return [FIRST_BUCKET_BYTES, DEFAULT_CAP_MB * MiB]
-    cap = int(float(bucket_cap_mb) * MiB)
+    try:
+        cap = int(float(bucket_cap_mb) * MiB)
+    except (TypeError, ValueError):
+        cap = 0
     if cap <= 0:
         raise ValueError(f"bucket_cap_mb must be positive (or 'default'), got {bucket_cap_mb!r}")
     return [cap]
@@ -205,8 +209,9 @@ def panel():
             value=DEFAULT["bucket_cap_mb"], description="bucket cap"),
         "world_size": widgets.IntSlider(value=DEFAULT["world_size"], min=2, max=64, description="N"),
         "model": widgets.Dropdown(options=list(MODELS), value=DEFAULT["model"], description="model"),
-        "backward_ms": widgets.FloatLogSlider(value=DEFAULT["backward_ms"], base=10, min=-2, max=2,
-                                              description="backward ms"),
+        # stops, not a log slider: the page rounds a log slider's value (0.5 became 0.501187)
+        "backward_ms": widgets.SelectionSlider(options=BACKWARD_MS, value=DEFAULT["backward_ms"],
+                                               description="backward ms"),
     }
 
     def redraw(setting: dict) -> None:
