@@ -56,7 +56,7 @@ def _torch_ddp_buckets(setting: dict) -> dict:
 
 
 def _torch_fsdp1_run(setting: dict) -> dict:
-    """torch FSDP1 at one rank (NO_SHARD) under the setting's MixedPrecision: the explorer's steps, on one thread."""
+    """torch FSDP1 at one rank (NO_SHARD) under the setting's MixedPrecision: the explorer's steps."""
     dtypes = {k: mixed_precision.DTYPES[setting[k]] for k in ("param_dtype", "reduce_dtype", "buffer_dtype")}
     model = TinyGPT(GPTConfig.tiny(), seed=0)
     tokens = torch.Generator().manual_seed(1)
@@ -67,17 +67,13 @@ def _torch_fsdp1_run(setting: dict) -> dict:
         fsdp = TorchFSDP(model, device_id=torch.device("cpu"), mixed_precision=TorchMixedPrecision(**dtypes))
     handle = fsdp._handle
     optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-2, foreach=False)
-    before, losses = torch.get_num_threads(), []
-    torch.set_num_threads(1)
-    try:
-        for batch in batches:
-            loss = fsdp(batch[:, :-1], batch[:, 1:])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-    finally:
-        torch.set_num_threads(before)
+    losses = []
+    for batch in batches:
+        loss = fsdp(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
     with TorchFSDP.summon_full_params(fsdp):
         params = [p.detach().clone() for p in fsdp.module.parameters()]
     return {"param": handle._fwd_bwd_param_dtype, "reduce": handle._reduce_dtype, "losses": losses,
@@ -86,13 +82,16 @@ def _torch_fsdp1_run(setting: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def torch_runs():
-    """Every torch run of this file, in one one-rank gloo group made and destroyed here."""
-    made = not dist.is_initialized()
+    """Every torch run of this file, in one one-rank gloo group made and destroyed here, on one thread (as the
+    explorer measures; the tiny models gain nothing from more, and a loaded machine makes more threads thrash)."""
+    made, threads = not dist.is_initialized(), torch.get_num_threads()
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.set_num_threads(1)
     try:
         return {"ddp": [_torch_ddp_buckets(s) for s in BUCKETS], "fsdp1": [_torch_fsdp1_run(s) for s in PRECISIONS]}
     finally:
+        torch.set_num_threads(threads)
         if made:
             dist.destroy_process_group()
 

@@ -4,8 +4,8 @@ A learner reading a chapter asks "what if": what if N were 3, or the weight had 
 answers one such question for one section of the book, with the library's own functions (the layout FSDP
 builds, the ring's schedule, FSDP2's rows), never with a picture drawn in advance.  Every explorer module has:
 
-* ``compute(setting) -> data``: pure, tested in ``tests/test_explorers.py`` and ``tests/test_explorers_more.py``
-  against the library and torch;
+* ``compute(setting) -> data``: the same data for the same setting (mixed_precision's runs a few steps, seeded),
+  tested in ``tests/test_explorers.py`` and ``tests/test_explorers_more.py`` against the library and torch;
 * ``panel()``: an ipywidgets panel whose controls are a setting and whose output is ``compute`` of it;
 * ``fallback(setting)``: one setting's output as text, and a line saying the panel needs a running kernel
   (``panel.static_view``);
