@@ -305,6 +305,9 @@ EXPLORERS = [  # (notebook, explorer module, the setting after the first slider 
     ("05_fsdp_future.ipynb", "flat_vs_rows", {"world_size": 6}),
     ("02_fsdp_core.ipynb", "shard_layout", {"world_size": 4}),
     ("02_fsdp_core.ipynb", "ring_time", {"message_bytes": 2**21}),
+    ("01_parallel_training_overview.ipynb", "ddp_buckets", {"bucket_cap_mb": 0.05}),
+    ("04_advanced_topics.ipynb", "pipeline_schedule", {"stages": 5}),
+    ("04_advanced_topics.ipynb", "mixed_precision", {"world_size": 5}),
 ]
 
 
@@ -317,7 +320,9 @@ def test_an_explorer_redraws_what_the_library_computes_for_the_new_setting(page,
     import importlib
 
     module = importlib.import_module(f"minifsdp.explorers.{name}")
-    text = {"flat_vs_rows": "format_view", "shard_layout": "format_view", "ring_time": "format_times"}[name]
+    text = {"flat_vs_rows": "format_view", "shard_layout": "format_view", "ring_time": "format_times",
+            "ddp_buckets": "format_buckets", "pipeline_schedule": "format_schedule",
+            "mixed_precision": "format_precision"}[name]
     settings = {"default": {}, "moved": moved}
     if name == "flat_vs_rows":
         settings["typed"] = {**moved, "shape": "7, 3"}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from minifsdp.explorers.panel import live_panel, with_kernel_line
+from minifsdp.explorers.panel import live_panel, static_view, with_kernel_line
 from minifsdp.explorers.panel import show as show_panel
 from minifsdp.fsdp.core.flat_param import build_layout
 from minifsdp.fsdp2.core.param import chunk_rows, local_row_range
@@ -139,9 +139,7 @@ def format_view(view: FlatVsRows) -> str:
 
 def fallback(setting: dict | None = None) -> str:
     """Print (and return) one setting's text and the line saying the panel needs a running kernel."""
-    text = with_kernel_line(format_view(compute(setting)))
-    print(text)
-    return text
+    return static_view(format_view(compute(setting)))
 
 
 def panel():

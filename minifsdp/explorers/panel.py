@@ -23,12 +23,20 @@ from typing import Any, Callable
 NEEDS_KERNEL = ("(a static view of one setting: run this cell in a live kernel, e.g. JupyterLab, "
                 "to get the panel and turn its controls)")
 
-__all__ = ["NEEDS_KERNEL", "live_panel", "show", "with_kernel_line"]
+__all__ = ["NEEDS_KERNEL", "live_panel", "show", "static_view", "with_kernel_line"]
 
 
 def with_kernel_line(text: str) -> str:
     """An explorer's text for one setting, followed by the line that says where the panel is."""
     return f"{text.rstrip()}\n{NEEDS_KERNEL}"
+
+
+def static_view(text: str) -> str:
+    """What every explorer's ``fallback`` does with its text for one setting: print it with the kernel line, and
+    return what it printed."""
+    text = with_kernel_line(text)
+    print(text)
+    return text
 
 
 def live_panel(controls: dict[str, Any], draw: Callable[[dict], None], title: str):

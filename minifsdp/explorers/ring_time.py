@@ -35,7 +35,7 @@ import torch
 
 from minifsdp.comm.ring import all_gather_chunks, chunk_bounds, reduce_scatter_chunks
 from minifsdp.comm.ring_sim import simulate_ring_all_reduce
-from minifsdp.explorers.panel import live_panel, with_kernel_line
+from minifsdp.explorers.panel import live_panel, static_view, with_kernel_line
 from minifsdp.explorers.panel import show as show_panel
 from minifsdp.pictures.plots import draw_ring_step, ring_states
 
@@ -153,9 +153,7 @@ def format_times(view: RingTimes) -> str:
 
 def fallback(setting: dict | None = None) -> str:
     """Print (and return) one setting's table and the line saying the panel needs a running kernel."""
-    text = with_kernel_line(format_times(compute(setting)))
-    print(text)
-    return text
+    return static_view(format_times(compute(setting)))
 
 
 def draw(view: RingTimes):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minifsdp.explorers.panel import live_panel, with_kernel_line
+from minifsdp.explorers.panel import live_panel, static_view, with_kernel_line
 from minifsdp.explorers.panel import show as show_panel
 from minifsdp.fsdp.core.flat_param import FlatParamLayout, build_layout
 from minifsdp.fsdp.core.strategy import ShardingPlan, ShardingStrategy
@@ -134,9 +134,7 @@ def format_view(view: ShardView) -> str:
 
 def fallback(setting: dict | None = None) -> str:
     """Print (and return) one setting's text and the line saying the panel needs a running kernel."""
-    text = with_kernel_line(format_view(compute(setting)))
-    print(text)
-    return text
+    return static_view(format_view(compute(setting)))
 
 
 def panel():
