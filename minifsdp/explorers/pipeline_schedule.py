@@ -14,7 +14,7 @@ From the ticks it counts the bubble, the idle share of the stages' time (idle ti
 beside the closed form (S-1)/(M+S-1) (``bubble_fraction``): the two schedules have the same bubble, only more
 micro-batches shrink it.  What 1F1B saves is memory: the most micro-batches a stage holds activations of at once
 (forwards run minus backwards run) is M for GPipe, S - s for 1F1B's stage s.  The picture is
-``minifsdp.tools.viz_parallel.plot_pipeline_timeline`` of the same ticks.
+``minifsdp.pictures.parallel_plots.plot_pipeline_timeline`` of the same ticks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from minifsdp.explorers.panel import live_panel, static_view, with_kernel_line
 from minifsdp.explorers.panel import show as show_panel
 from minifsdp.parallel.pipeline_schedules import action_order, bubble_fraction, format_timeline, simulate_timeline
-from minifsdp.tools.viz_parallel import plot_pipeline_timeline
+from minifsdp.pictures.parallel_plots import plot_pipeline_timeline
 
 __all__ = ["SCHEDULES", "DEFAULT", "PipelineView", "in_flight", "compute", "format_schedule", "fallback", "panel",
            "show"]

@@ -98,7 +98,7 @@ class RingTimes:
     sizes: list[int]  # message sizes of the curves, bytes
     curves: dict[str, list[float]]  # algorithm -> seconds at each size
     measured: list[tuple[int, float]]
-    states: list[dict]  # the ring's rounds (viz.ring_states), empty above MAX_DRAWN ranks
+    states: list[dict]  # the ring's rounds (plots.ring_states), empty above MAX_DRAWN ranks
 
     @property
     def fastest(self) -> str:
