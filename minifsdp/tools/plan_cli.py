@@ -25,6 +25,7 @@ from pathlib import Path
 from minifsdp.memory.gpus import GPUS, gpu, with_links, with_memory
 from minifsdp.memory.hf_config import shape_from_hf_config
 from minifsdp.memory.plan import LOW_PRECISION, OPTIMIZERS, STRATEGIES, Run
+from minifsdp.memory.plan_cli_options import add_torch_options, check_torch_options, describe_torch_options
 from minifsdp.memory.plan_shapes import PRESETS, preset, shape_from_args
 from minifsdp.memory.plan_time import USABLE, report
 
@@ -86,7 +87,8 @@ def add_arguments(p) -> None:
                    help=" | ".join(f"{k} ({v[0]} bytes per parameter: {v[1]})" for k, v in OPTIMIZERS.items()))
     r.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
     r.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
-    r.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block")
+    r.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block (--ac full)")
+    add_torch_options(r)
     r.add_argument("--wrap", default="layer", help="layer (one FSDP unit per block) | none (one unit)")
     g = p.add_argument_group("the card")
     g.add_argument("--gpu", default="h100", help=f"{' | '.join(GPUS)}: published figures (vendors' datasheets)")
@@ -130,6 +132,7 @@ def _check(args) -> None:
                         f"(adamw: 16 bytes per parameter, sgd with momentum: 12)")
     if args.wrap.lower() not in ("layer", "none"):
         raise PlanError(f"unknown --wrap {args.wrap!r}; use layer (one FSDP unit per block) or none (one unit)")
+    check_torch_options(args)
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -184,7 +187,7 @@ def _shape(args, warnings: list[str]):
 def _runs(args, shape) -> list[Run]:
     sizes = _ints(args.world_size, "--world-size")
     every = args.strategy.lower() == "all"
-    names = STRATEGIES if every else [s.strip().upper() for s in args.strategy.split(",") if s.strip()]
+    names = ("FULL_SHARD",) if every and args.impl.lower() == "fsdp2" else STRATEGIES if every else [s.strip().upper() for s in args.strategy.split(",") if s.strip()]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
         raise PlanError(f"unknown --strategy {unknown[0]!r}; use {', '.join(STRATEGIES)} (any case), a list, or all")
@@ -196,7 +199,8 @@ def _runs(args, shape) -> list[Run]:
             runs.append(Run(world_size=n, strategy=s, precision=args.precision, reduce_dtype=args.reduce_dtype or "",
                             optimizer=args.optimizer, batch=args.batch, seq=args.seq or 0,
                             activation_checkpointing=args.activation_checkpointing, wrap=args.wrap.lower(),
-                            gpus_per_node=args.gpus_per_node))
+                            gpus_per_node=args.gpus_per_node, impl=args.impl, ac=args.ac, offload=args.offload,
+                            reshard_after_forward=args.reshard_after_forward))
     return runs
 
 
@@ -231,7 +235,7 @@ def _text(r: dict) -> str:
              f"{run['precision']}" + (f" (gradients reduced in {run['reduce_dtype']})"
                                       if run["reduce_dtype"] != run["precision"] else "")
              + f", {run['optimizer']}, {run['batch']} x {run['seq']} tokens per GPU"
-             + (", activation checkpointing" if run["activation_checkpointing"] else ""),
+             + describe_torch_options(r),
              "", "per rank, GB (1e9 bytes)  at rest after the optimizer step"]
     for k in ("parameters", "gradients", "optimizer_state", "buffers", "ddp_buckets"):
         if per[k]:
