@@ -40,8 +40,8 @@ import math
 
 from minifsdp.memory.plan_shapes import ModelShape
 
-__all__ = ["RESHARD_CHOICES", "chunk_rows", "local_row_range", "padded_shards", "local_elements", "tensor_count", "reshard_group",
-           "kept_after_forward"]
+__all__ = ["RESHARD_CHOICES", "chunk_rows", "local_row_range", "padded_shards", "local_elements", "tensor_count",
+           "reshard_group", "kept_after_forward"]
 
 RESHARD_CHOICES = ("true", "false", "torchtitan")  # or a whole number k
 

@@ -187,7 +187,9 @@ def _shape(args, warnings: list[str]):
 def _runs(args, shape) -> list[Run]:
     sizes = _ints(args.world_size, "--world-size")
     every = args.strategy.lower() == "all"
-    names = ("FULL_SHARD",) if every and args.impl.lower() == "fsdp2" else STRATEGIES if every else [s.strip().upper() for s in args.strategy.split(",") if s.strip()]
+    names = STRATEGIES if every else [s.strip().upper() for s in args.strategy.split(",") if s.strip()]
+    if every and args.impl.lower() == "fsdp2":  # fully_shard on one mesh dimension: FULL_SHARD's layout
+        names = ("FULL_SHARD",)
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
         raise PlanError(f"unknown --strategy {unknown[0]!r}; use {', '.join(STRATEGIES)} (any case), a list, or all")
