@@ -6,13 +6,15 @@ op-level policy on Hugging Face's Llama and Qwen2 decoder layers (the live bytes
 by the census; with the CPU's flash-attention kernel, ``_scaled_dot_product_flash_attention_for_cpu``, beside
 the two GPU kernels of torchtitan's list, and ``preserve_rng_state=False`` as torchtitan's wrapper); for
 every-K, torchtitan's counting (blocks K, 2K, ... from 1); for offload, torch's ``CPUOffload`` (what moves:
-parameters, gradients, optimizer state) and the card's host link.  Exact.
+parameters, gradients, optimizer state) and the card's host link; for the chapter's worked examples, the command
+itself, rerun.  Exact.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +148,14 @@ def test_bad_choices_are_one_line_naming_the_flag_and_the_fix(capsys, argv, says
     assert main(["plan", "--model", "gpt2", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+
+
+def test_the_chapters_worked_examples_are_the_commands_output(capsys):
+    """chapters/results/plan_options.txt, which chapter 2.3 quotes, is what each command prints now."""
+    text = (Path(__file__).resolve().parents[1] / "chapters" / "results" / "plan_options.txt").read_text()
+    runs = [block.split("\n", 1) for block in text.split("$ python -m minifsdp plan ")[1:]]
+    flags = {f for command, _ in runs for f in command.split() if f.startswith("--")}
+    assert {"--impl", "--reshard-after-forward", "--ac", "--offload"} <= flags
+    for command, printed in runs:
+        assert main(["plan", *command.split()]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == printed.rstrip("\n"), command

@@ -107,6 +107,8 @@ def _candidates(run: Run) -> list[Run]:
         return [run]
     out = []
     for s in STRATEGIES:
+        if s == "DDP" and run.offloaded:  # DDP has no CPU offload
+            continue
         if s == "HYBRID_SHARD" and (run.world_size <= run.gpus_per_node or run.world_size % run.gpus_per_node):
             continue
         out.append(dataclasses.replace(run, strategy=s))

@@ -198,6 +198,8 @@ def _runs(args, shape) -> list[Run]:
         for s in names:
             if s == "HYBRID_SHARD" and every and (n % args.gpus_per_node or n <= args.gpus_per_node):
                 continue  # "all": HYBRID only where there are several whole nodes
+            if s == "DDP" and every and args.offload.lower() != "none":
+                continue  # "all": DDP has no CPU offload
             runs.append(Run(world_size=n, strategy=s, precision=args.precision, reduce_dtype=args.reduce_dtype or "",
                             optimizer=args.optimizer, batch=args.batch, seq=args.seq or 0,
                             activation_checkpointing=args.activation_checkpointing, wrap=args.wrap.lower(),
@@ -238,7 +240,8 @@ def _text(r: dict) -> str:
                                       if run["reduce_dtype"] != run["precision"] else "")
              + f", {run['optimizer']}, {run['batch']} x {run['seq']} tokens per GPU"
              + describe_torch_options(r),
-             "", "per rank, GB (1e9 bytes)  at rest after the optimizer step"]
+             "", "per rank, GB (1e9 bytes)  at rest after the optimizer step"
+             + ("  (the model state in the CPU's memory)" if run["offload"] != "none" else "")]
     for k in ("parameters", "gradients", "optimizer_state", "buffers", "ddp_buckets"):
         if per[k]:
             lines.append(f"  {k.replace('_', ' '):<24} {_gb(per[k]):>10}")
@@ -256,7 +259,8 @@ def _text(r: dict) -> str:
     lines += ["", f"step >= {r['step_time_lower_bound_s']:.3g} s: compute {r['compute_s']:.3g} s at "
                   f"{gpu['peak_flops'] / 1e12:,.1f} TFLOP/s, network {r['network_s']:.3g} s at "
                   f"{gpu['intra_node_bits_per_s'] / 1e9:,.0f} / {gpu['inter_node_bits_per_s'] / 1e9:,.0f} Gbit/s "
-                  f"inside / between nodes (published peaks: {gpu['name']})",
+                  f"inside / between nodes" + (f", host link {r['host_link_s']:.3g} s" if r["host_link_s"] else "")
+                  + f" (published peaks: {gpu['name']})",
               f"  assumed: {a['flops_per_step']:.4g} FLOPs per step, {a['flops_per_token']:.4g} per token "
               f"({a['flops_formula']}; {a['matmul_parameters']:,} matmul parameters), at the {run['precision']} dense "
               f"peak; overlap {a['overlap']}; latency {a['latency']}"]
