@@ -4,7 +4,8 @@ one step at rest, for ``python -m minifsdp plan --impl fsdp2`` to be held agains
 For each setup (a model, whose ``fully_shard``), on all the ranks: a census before anything is built; build
 (seed 0), ``fully_shard`` each block (each Linear of the MLP), then the root; AdamW (``foreach=True``), one
 warm-up step, ``zero_grad()``; one step (ours on our ring, inside ``count_bytes()``); then at rest: the model state
-from the tensors (``snapshot``, each storage once) and every live byte less the first census.
+from the tensors (``snapshot``, each storage once) and every live byte less the first census; then in a
+``MemoryTracker``, ``zero_grad()`` and one step: the peak less the first census.
 """
 
 from __future__ import annotations
@@ -53,7 +54,16 @@ def _measure(model_name: str, impl: str) -> dict:
     state = snapshot(model, opt)
     with MemoryTracker(model, opt) as mt:  # it starts from a census
         mt.mark("at rest")
-    return {"sent": sent.sent, "parameters": state["parameters"], "gradients": state["gradients"],
+        opt.zero_grad()
+        mt.mark("forward")
+        loss = _loss(model_name, model, 2)
+        mt.mark("backward")
+        loss.backward()
+        mt.mark("optimizer step")
+        opt.step()
+    del loss
+    return {"peak": mt.peak_bytes - before, "peak_phase": mt.peak_phase, "sent": sent.sent,
+            "parameters": state["parameters"], "gradients": state["gradients"],
             "optimizer_state": state["optimizer_state"], "buffers": state["buffers"],
             "census": mt.breakdown_at("at rest")["total"] - before}
 

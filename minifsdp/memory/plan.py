@@ -27,6 +27,11 @@ parameters after that, so the concatenation sits on top of them (gathered + piec
 frees them as soon as autograd has every piece, before the concatenation (``register_free_before_concat``
 in ``minifsdp/fsdp/core/backward.py``).  ``Run(frees_before_concat=...)`` picks; torch's is the default.
 
+Note (beyond the strategy): ``Run(impl="fsdp2")`` plans ``fully_shard``, each parameter padded on its own
+(:mod:`minifsdp.memory.plan_fsdp2`: the shards, the per-rank optimizer state, ``reshard_after_forward``);
+``Run(ac=...)`` which blocks keep what (:mod:`minifsdp.memory.plan_ac`); ``Run(offload="params")`` keeps the model
+state in the CPU's memory (:mod:`minifsdp.memory.plan_options` says what torch offloads and refuses the rest).
+
 One step of FULL_SHARD with BACKWARD_PRE, the moments ``moments`` evaluates (units: root, blocks 0..L-1)::
 
     forward    gather root | gather b0, run, free | ... | head + loss     activations pile up

@@ -3,10 +3,11 @@
 A step cannot finish before its arithmetic is done at the GPU's peak rate, nor before its bytes have
 crossed the slowest link it uses at that link's peak rate:
 
-    compute  = FLOPs per rank / peak FLOP/s            (6 per weight per token, + attention; x 4/3 with
-                                                        activation checkpointing: one more forward)
+    compute  = FLOPs per rank / peak FLOP/s            (6 per weight per token, + attention; + what activation
+                                                        checkpointing runs again: minifsdp.memory.plan_ac)
     network  = sum over collectives of bytes sent / link speed   (inside a node, or between nodes)
-    step    >= max(compute, network)                   (the two overlap at best: a lower bound)
+    host     = bytes CPU offload copies / host link    (PCIe, per card: minifsdp.memory.gpus)
+    step    >= max(compute, network, host)             (they overlap at best: a lower bound)
 
 FSDP hides its network time only if each unit's collectives travel while another unit computes: the next
 unit's all-gather behind this unit's forward, and in the backward the next all-gather plus this unit's
@@ -229,7 +230,8 @@ def assumptions(shape: ModelShape, run: Run, gpu: GPU) -> dict:
         "host_link_bits_per_s": gpu.host_bps if run.offloaded else 0.0,
         "peak_flops": gpu.flops(run.precision), "peak_flops_dtype": run.precision,
         "intra_node_bits_per_s": gpu.intra_node_bps, "inter_node_bits_per_s": gpu.inter_node_bps,
-        "overlap": "perfect: step >= max(compute, network), compute and communication fully overlapped",
+        "overlap": f"perfect: step >= max(compute, network{', host link' if run.offloaded else ''}), compute and "
+                   f"communication fully overlapped",
         "latency_s": 0.0, "latency": "left out (each ring step also pays a message latency, N - 1 per collective)",
         "usable_memory_fraction": USABLE,
     }

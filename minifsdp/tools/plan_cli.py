@@ -4,6 +4,7 @@
     python -m minifsdp plan --model llama-70b --world-size 8,64,512 --strategy all --precision bf16 \\
                             --activation-checkpointing --plot out/plan_70b.png
     python -m minifsdp plan --hf-config path/to/config.json --gpu h100-96 --reduce-dtype fp32 --json
+    python -m minifsdp plan --model llama-7b --world-size 64 --impl fsdp2 --reshard-after-forward 8 --ac selective
 
 One world size and one strategy: the full plan (bytes per rank by category, the peak and where, bytes per
 collective, the time bound, what it assumes, advice).  Several (``--world-size 8,64,512``, ``--strategy all``):
