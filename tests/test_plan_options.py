@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from minifsdp.commands.cli import main
 from minifsdp.memory.census import live_tensor_bytes
 from minifsdp.memory.gpus import GPUS
 from minifsdp.memory.plan import Run, collectives, model_state, peak
 from minifsdp.memory.plan_ac import checkpointed, saved_per_unit, selective_saved
 from minifsdp.memory.plan_shapes import PRESETS, ModelShape
 from minifsdp.memory.plan_time import host_copies, step_time
-from minifsdp.tools.cli import main
 
 ATEN = torch.ops.aten
 
