@@ -376,6 +376,13 @@ def test_pinned_unit_called_outside_its_forward_torch_drifts_ours_refuses(pinned
     assert all(torch.equal(grads[0][n][1], grads[1][n][1]) for n in grads[0] if n not in unit)
 
 
+def test_a_side_that_raised_after_the_last_step_is_read_as_the_end_not_a_step():
+    """A side may raise at the end (the final comparison's gather), one past the last step: no entry indexes it."""
+    p = PINNED["full_state_dict_offload_on_cpu"]
+    d = ("error", "program", f"ours raised nothing vs torch raised RuntimeError at step {len(p.steps)}: setStorage")
+    assert explain(p, [d]) == {}
+
+
 def test_a_crash_is_named_by_the_rank_that_died_not_by_its_peers():
     """The campaign's verdict on a crashed side reads the blamed rank's line: the known entries match on it."""
     from minifsdp.fuzz.campaign import _crash_line

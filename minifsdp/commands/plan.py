@@ -4,6 +4,7 @@
     python -m minifsdp plan --model llama-70b --world-size 8,64,512 --strategy all --precision bf16 \\
                             --activation-checkpointing --plot out/plan_70b.png
     python -m minifsdp plan --hf-config path/to/config.json --gpu h100-96 --reduce-dtype fp32 --json
+    python -m minifsdp plan --model llama-7b --world-size 64 --impl fsdp2 --reshard-after-forward 8 --ac selective
 
 One world size and one strategy: the full plan (bytes per rank by category, the peak and where, bytes per
 collective, the time bound, what it assumes, advice).  Several (``--world-size 8,64,512``, ``--strategy all``):
@@ -25,6 +26,7 @@ from pathlib import Path
 from minifsdp.memory.gpus import GPUS, gpu, with_links, with_memory
 from minifsdp.memory.hf_config import shape_from_hf_config
 from minifsdp.memory.plan import LOW_PRECISION, OPTIMIZERS, STRATEGIES, Run
+from minifsdp.memory.plan_cli_options import add_torch_options, check_torch_options, describe_torch_options
 from minifsdp.memory.plan_shapes import PRESETS, preset, shape_from_args
 from minifsdp.memory.plan_time import USABLE, report
 
@@ -86,7 +88,8 @@ def add_arguments(p) -> None:
                    help=" | ".join(f"{k} ({v[0]} bytes per parameter: {v[1]})" for k, v in OPTIMIZERS.items()))
     r.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
     r.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
-    r.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block")
+    r.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block (--ac full)")
+    add_torch_options(r)
     r.add_argument("--wrap", default="layer", help="layer (one FSDP unit per block) | none (one unit)")
     g = p.add_argument_group("the card")
     g.add_argument("--gpu", default="h100", help=f"{' | '.join(GPUS)}: published figures (vendors' datasheets)")
@@ -130,6 +133,7 @@ def _check(args) -> None:
                         f"(adamw: 16 bytes per parameter, sgd with momentum: 12)")
     if args.wrap.lower() not in ("layer", "none"):
         raise PlanError(f"unknown --wrap {args.wrap!r}; use layer (one FSDP unit per block) or none (one unit)")
+    check_torch_options(args)
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -185,6 +189,8 @@ def _runs(args, shape) -> list[Run]:
     sizes = _ints(args.world_size, "--world-size")
     every = args.strategy.lower() == "all"
     names = STRATEGIES if every else [s.strip().upper() for s in args.strategy.split(",") if s.strip()]
+    if every and args.impl.lower() == "fsdp2":  # fully_shard on one mesh dimension: FULL_SHARD's layout
+        names = ("FULL_SHARD",)
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
         raise PlanError(f"unknown --strategy {unknown[0]!r}; use {', '.join(STRATEGIES)} (any case), a list, or all")
@@ -193,10 +199,13 @@ def _runs(args, shape) -> list[Run]:
         for s in names:
             if s == "HYBRID_SHARD" and every and (n % args.gpus_per_node or n <= args.gpus_per_node):
                 continue  # "all": HYBRID only where there are several whole nodes
+            if s == "DDP" and every and args.offload.lower() != "none":
+                continue  # "all": DDP has no CPU offload
             runs.append(Run(world_size=n, strategy=s, precision=args.precision, reduce_dtype=args.reduce_dtype or "",
                             optimizer=args.optimizer, batch=args.batch, seq=args.seq or 0,
                             activation_checkpointing=args.activation_checkpointing, wrap=args.wrap.lower(),
-                            gpus_per_node=args.gpus_per_node))
+                            gpus_per_node=args.gpus_per_node, impl=args.impl, ac=args.ac, offload=args.offload,
+                            reshard_after_forward=args.reshard_after_forward))
     return runs
 
 
@@ -231,8 +240,9 @@ def _text(r: dict) -> str:
              f"{run['precision']}" + (f" (gradients reduced in {run['reduce_dtype']})"
                                       if run["reduce_dtype"] != run["precision"] else "")
              + f", {run['optimizer']}, {run['batch']} x {run['seq']} tokens per GPU"
-             + (", activation checkpointing" if run["activation_checkpointing"] else ""),
-             "", "per rank, GB (1e9 bytes)  at rest after the optimizer step"]
+             + describe_torch_options(r),
+             "", "per rank, GB (1e9 bytes)  at rest after the optimizer step"
+             + ("  (the model state in the CPU's memory)" if run["offload"] != "none" else "")]
     for k in ("parameters", "gradients", "optimizer_state", "buffers", "ddp_buckets"):
         if per[k]:
             lines.append(f"  {k.replace('_', ' '):<24} {_gb(per[k]):>10}")
@@ -250,7 +260,8 @@ def _text(r: dict) -> str:
     lines += ["", f"step >= {r['step_time_lower_bound_s']:.3g} s: compute {r['compute_s']:.3g} s at "
                   f"{gpu['peak_flops'] / 1e12:,.1f} TFLOP/s, network {r['network_s']:.3g} s at "
                   f"{gpu['intra_node_bits_per_s'] / 1e9:,.0f} / {gpu['inter_node_bits_per_s'] / 1e9:,.0f} Gbit/s "
-                  f"inside / between nodes (published peaks: {gpu['name']})",
+                  f"inside / between nodes" + (f", host link {r['host_link_s']:.3g} s" if r["host_link_s"] else "")
+                  + f" (published peaks: {gpu['name']})",
               f"  assumed: {a['flops_per_step']:.4g} FLOPs per step, {a['flops_per_token']:.4g} per token "
               f"({a['flops_formula']}; {a['matmul_parameters']:,} matmul parameters), at the {run['precision']} dense "
               f"peak; overlap {a['overlap']}; latency {a['latency']}"]

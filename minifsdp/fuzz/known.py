@@ -105,7 +105,7 @@ def _full_offload_on_cpu(program, d) -> bool:
     if d[0] != "error" or not d[2].startswith(head):
         return False
     i = d[2][len(head):].split(":")[0]
-    step = program.steps[int(i)] if i.isdigit() else {}
+    step = program.steps[int(i)] if i.isdigit() and int(i) < len(program.steps) else {}  # (past the last: the end)
     return step.get("op") == "state_dict" and step.get("type") == "FULL" and step.get("offload") \
         and "setStorage" in d[2]
 

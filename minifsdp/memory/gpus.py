@@ -12,6 +12,10 @@ GeForce) has no published network, so its "between nodes" speed is an assumption
 your cluster's with ``--link-gbps``.  V100 has no bf16 Tensor Cores: bf16 runs at its fp32 rate there, fp16 at
 its Tensor Core rate.
 
+Note (the host link): CPU offload copies shards and gradients between the CPU's memory and the card over its host
+link, PCIe x16 of the generation its datasheet names (``host_bps``, per direction; B200: Gen5 x16, as the DGX
+B200's host switches), or on GH200 the NVLink-C2C to its Grace CPU.
+
 Note (which "H100"): the 80 GB SXM5 part is the common one; the 94 GB is the H100 NVL (PCIe, lower clocks, its
 NVLink bridge joins pairs only, so a ring over a node of 8 runs over PCIe); the 96 GB is the H100 with HBM3 of
 Grace Hopper (GH200) and of some clusters' SXM boards (published runs report "95 GiB" for it).
@@ -37,6 +41,8 @@ class GPU:
     inter_node_bps: float  # the node's network ports divided among its GPUs
     source: str
     fp16_flops: float = 0.0  # 0: as bf16 (a card whose fp16 and bf16 rates differ sets it: V100)
+    host_bps: float = 0.0  # the link to the CPU's memory (PCIe, or GH200's NVLink-C2C), per direction, bit/s
+    host_link: str = ""  # that link and where its figure is published (CPU offload's copies cross it)
 
     def flops(self, precision: str) -> float:
         if precision == "fp16":
@@ -97,6 +103,17 @@ GPUS = {
                    "TFLOPS, no bf16 Tensor Cores (bf16 at the fp32 rate), NVLink 300 GB/s (150 GB/s each way); "
                    "NVIDIA DGX-1: 4x 100 Gb/s EDR InfiniBand for 8 GPUs (50 Gb/s each)", fp16_flops=125e12),
 }
+_HOST = {  # (bit/s each way, the source): what CPU offload's copies cross
+    "pcie3": (128e9, "PCIe Gen3 x16, 32 GB/s (16 GB/s each way), the card's datasheet"),
+    "pcie4": (_PCIE4, "PCIe Gen4 x16, 64 GB/s (32 GB/s each way), the card's datasheet"),
+    "pcie5": (_PCIE5, "PCIe Gen5 x16, 128 GB/s (64 GB/s each way), the card's datasheet"),
+    "c2c": (3600e9, "NVLink-C2C to the Grace CPU, 900 GB/s (450 GB/s each way), NVIDIA GH200 datasheet"),
+}
+for _name, _link in {"a100-40": "pcie4", "a100": "pcie4", "h100": "pcie5", "h100-94": "pcie5", "h100-96": "c2c",
+                     "h200": "pcie5", "b200": "pcie5", "l4": "pcie4", "rtx4090": "pcie4", "rtx3090": "pcie4",
+                     "v100-16": "pcie3", "v100-32": "pcie3"}.items():
+    GPUS[_name] = dataclasses.replace(GPUS[_name], host_bps=_HOST[_link][0], host_link=_HOST[_link][1])
+
 ALIASES = {"a100-80": "a100", "h100-80": "h100", "h100-nvl": "h100-94", "gh200": "h100-96", "v100": "v100-32"}
 
 

@@ -27,6 +27,11 @@ parameters after that, so the concatenation sits on top of them (gathered + piec
 frees them as soon as autograd has every piece, before the concatenation (``register_free_before_concat``
 in ``minifsdp/fsdp/core/backward.py``).  ``Run(frees_before_concat=...)`` picks; torch's is the default.
 
+Note (beyond the strategy): ``Run(impl="fsdp2")`` plans ``fully_shard``, each parameter padded on its own
+(:mod:`minifsdp.memory.plan_fsdp2`: the shards, the per-rank optimizer state, ``reshard_after_forward``);
+``Run(ac=...)`` which blocks keep what (:mod:`minifsdp.memory.plan_ac`); ``Run(offload="params")`` keeps the model
+state in the CPU's memory (:mod:`minifsdp.memory.plan_options` says what torch offloads and refuses the rest).
+
 One step of FULL_SHARD with BACKWARD_PRE, the moments ``moments`` evaluates (units: root, blocks 0..L-1)::
 
     forward    gather root | gather b0, run, free | ... | head + loss     activations pile up
@@ -41,6 +46,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from minifsdp.memory.plan_ac import saved_per_unit
+from minifsdp.memory.plan_fsdp2 import kept_after_forward, local_elements, padded_shards, reshard_group, tensor_count
+from minifsdp.memory.plan_options import options
 from minifsdp.memory.plan_shapes import ModelShape
 
 __all__ = ["Run", "Collective", "STRATEGIES", "model_state", "collectives", "bytes_sent", "moments", "peak",
@@ -58,7 +66,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers", "ddp_buck
 
 @dataclass(frozen=True)
 class Run:
-    """How the model is trained: ranks, strategy, precision and reduce dtype, optimizer, batch per rank, wrapping.
+    """How the model is trained: ranks, strategy, precision and reduce dtype, optimizer, batch per rank, wrapping;
+    which FSDP, when fsdp2 reshards, activation checkpointing, CPU offload (:mod:`minifsdp.memory.plan_options`).
     Names are case-insensitive ("BF16", "full_shard")."""
 
     world_size: int
@@ -68,11 +77,15 @@ class Run:
     optimizer: str = "adamw"  # adamw | sgd (with momentum)
     batch: int = 1  # sequences per rank
     seq: int = 0  # tokens per sequence; 0: the model's context length
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # True: ac "full"; after construction, whether any block is checkpointed
     wrap: str = "layer"
     gpus_per_node: int = 8
     backward_prefetch: bool = True  # BackwardPrefetch.BACKWARD_PRE, FSDP's default
     frees_before_concat: bool = False  # minifsdp's FSDP: True (Note (when a unit's parameters are freed))
+    impl: str = "fsdp1"  # fsdp1 (FullyShardedDataParallel) | fsdp2 (fully_shard)
+    reshard_after_forward: str = "true"  # fsdp2's: true | false | k | torchtitan (the root is always kept)
+    ac: str = "none"  # none | full | selective | every-K
+    offload: str = "none"  # none | params: parameters, gradients and optimizer state on the CPU (torch's CPUOffload)
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", str(self.strategy).upper().replace("SHARDINGSTRATEGY.", ""))
@@ -89,6 +102,11 @@ class Run:
         if min(self.world_size, self.batch, self.gpus_per_node) < 1 or self.seq < 0:
             raise ValueError(f"world size, batch and GPUs per node must be positive and seq at least 0, got "
                              f"{self.world_size}, {self.batch}, {self.gpus_per_node} and {self.seq}.")
+        for field, value in options(self.strategy, self.impl, self.reshard_after_forward, self.ac,
+                                    self.activation_checkpointing, self.offload).items():
+            object.__setattr__(self, field, value)
+        object.__setattr__(self, "activation_checkpointing", self.ac != "none")
+        object.__setattr__(self, "reshard_after_forward", reshard_group(self.reshard_after_forward, self.shard_size))
         if self.strategy == "HYBRID_SHARD" and self.world_size % self.gpus_per_node:
             raise ValueError(f"HYBRID_SHARD shards inside a node: world size {self.world_size} is not a multiple "
                              f"of {self.gpus_per_node} GPUs per node; use a multiple of it, or --gpus-per-node "
@@ -100,6 +118,10 @@ class Run:
         if self.strategy in ("DDP", "NO_SHARD") or self.world_size == 1:
             return 1
         return self.gpus_per_node if self.strategy == "HYBRID_SHARD" else self.world_size
+
+    @property
+    def offloaded(self) -> bool:
+        return self.offload == "params"
 
     @property
     def fsdp(self) -> bool:
@@ -155,23 +177,35 @@ def _ddp_buckets(shape: ModelShape) -> list[int]:
 
 
 def _shards(shape: ModelShape, run: Run) -> list[int]:
-    """Elements of this rank's piece of each unit: ceil(unit / shard group), padding included."""
+    """Elements of this rank's piece of each unit, padding included: ceil(unit / shard group) (FSDP1: one flat
+    parameter), or each parameter's padded rows summed (FSDP2: :func:`~minifsdp.memory.plan_fsdp2.padded_shards`)."""
     g = run.shard_size
+    if run.impl == "fsdp2":
+        return padded_shards(shape, run.wrap, g)
     return [math.ceil(u / g) for u in shape.unit_numels(run.wrap)]
 
 
-def model_state(shape: ModelShape, run: Run) -> dict[str, int]:
-    """Bytes per rank after ``optimizer.step()``: parameters, gradients, optimizer state (exact), and beside
-    them the buffers and DDP's buckets (the census at rest is their sum)."""
-    if run.fsdp:
-        elements = sum(_shards(shape, run))
-        optimized = sum(1 for u in shape.unit_numels(run.wrap) if u)  # one flat parameter per unit
-    else:
-        elements, optimized = shape.params, sum(len(unit) for unit in shape.tensor_numels())
+def model_state(shape: ModelShape, run: Run, rank: int = 0) -> dict[str, int]:
+    """Bytes ``rank`` holds after ``optimizer.step()``: parameters, gradients, optimizer state (exact), and beside
+    them the buffers and DDP's buckets (the census at rest is their sum); ``host``: the part of the model state
+    CPU offload keeps in the CPU's memory (the rest is on the GPU).  FSDP2's optimizer state (and its offloaded
+    gradients) are each parameter's real rows, which differ by rank (:mod:`minifsdp.memory.plan_fsdp2`)."""
     per_element, step = (8, 4) if run.optimizer == "adamw" else (4, 0)  # AdamW: m, v and a step per tensor
-    out = {"parameters": 4 * elements, "gradients": 4 * elements,
-           "optimizer_state": per_element * elements + step * optimized}
+    if run.impl == "fsdp2":
+        padded = sum(_shards(shape, run))
+        local = sum(local_elements(shape, run.wrap, run.shard_size, rank % run.shard_size))
+        out = {"parameters": 4 * padded, "gradients": 4 * (local if run.offloaded else padded),
+               "optimizer_state": per_element * local + step * tensor_count(shape, run.wrap)}
+    else:
+        if run.fsdp:
+            elements = sum(_shards(shape, run))
+            optimized = sum(1 for u in shape.unit_numels(run.wrap) if u)  # one flat parameter per unit
+        else:
+            elements, optimized = shape.params, sum(len(unit) for unit in shape.tensor_numels())
+        out = {"parameters": 4 * elements, "gradients": 4 * elements,
+               "optimizer_state": per_element * elements + step * optimized}
     out["model_state"] = sum(out.values())
+    out["host"] = out["model_state"] if run.offloaded else 0
     out["buffers"] = _buffer_bytes(shape)
     out["ddp_buckets"] = 0 if run.fsdp else 4 * shape.params
     out["at_rest"] = out["model_state"] + out["buffers"] + out["ddp_buckets"]
@@ -204,8 +238,11 @@ def collectives(shape: ModelShape, run: Run, rank: int = 0) -> list[Collective]:
            for i, s in enumerate(_shards(shape, run))]
     root = shape.root_is_a_unit(run.wrap)
     for i, s in reversed(list(enumerate(_shards(shape, run)))):
-        if run.strategy in ("FULL_SHARD", "HYBRID_SHARD") and not (root and i == 0):  # freed after forward
-            out.append(Collective("all-gather", "backward", i, s * g, g, s * (g - 1) * low, not inside))
+        kept = kept_after_forward(run.reshard_after_forward, i, len(units), root)
+        if run.strategy in ("FULL_SHARD", "HYBRID_SHARD") and kept < 1:  # freed after forward (all or 1/k kept)
+            k = round(1 / kept) if kept else g  # gathered again from the k ranks that keep a piece each, or all g
+            out.append(Collective("all-gather", "backward", i, s * g, k, s * g // k * (k - 1) * low,
+                                  k > run.gpus_per_node))
         out.append(Collective("reduce-scatter", "backward", i, s * g, g, s * (g - 1) * red, not inside))
         if run.strategy == "HYBRID_SHARD" and n > g:  # the shard's gradient, summed across the nodes
             out.append(Collective("all-reduce", "backward", i, s, n // g,
@@ -222,13 +259,12 @@ def bytes_sent(shape: ModelShape, run: Run, rank: int = 0) -> int:
 
 
 def _activations(shape: ModelShape, run: Run) -> tuple[list[int], int, int, int]:
-    """(bytes each non-root unit keeps for its backward, bytes one block holds while it runs or is recomputed,
-    the root's (embeddings, head, loss), one gradient flowing between units)."""
+    """(bytes each non-root unit keeps for its backward under ``run.ac`` (:mod:`minifsdp.memory.plan_ac`), bytes
+    one block holds while it runs or is recomputed, the root's (embeddings, head, loss), one gradient flowing
+    between units)."""
     seq, b = run.seq or shape.seq, run.low_bytes
-    per_unit = shape.saved_per_unit(run.batch, seq, b)
-    full = max(per_unit, default=0)
-    if run.activation_checkpointing and shape.arch != "mlp":  # a checkpointed block keeps only its input
-        per_unit = [run.batch * seq * shape.hidden * b] * len(per_unit)
+    full = max(shape.saved_per_unit(run.batch, seq, b), default=0)
+    per_unit = saved_per_unit(shape, run.ac, run.batch, seq, b)
     root = sum(shape.saved_in_root(run.batch, seq, b).values())
     return per_unit, full, root, shape.flow_bytes(run.batch, seq, b)
 
@@ -237,7 +273,9 @@ def moments(shape: ModelShape, run: Run) -> list[tuple[str, dict[str, int]]]:
     """(where, bytes by category) at each point of one step where the peak can fall, in step order.
 
     The step starts after ``optimizer.zero_grad()`` (torch's default: gradients to None), so the gradient
-    shards appear unit by unit in the backward.  Prefetching: FSDP's default BACKWARD_PRE."""
+    shards appear unit by unit in the backward.  Prefetching: FSDP's default BACKWARD_PRE (FSDP2's default
+    too).  FSDP2 frees a group's gathered parameters before it copies the gradients into the reduce-scatter's
+    input (``FSDPParamGroup.post_backward``); CPU offload keeps the model state off the GPU."""
     state = model_state(shape, run)
     seq = run.seq or shape.seq
     units, shards = shape.unit_numels(run.wrap), _shards(shape, run)
@@ -248,11 +286,15 @@ def moments(shape: ModelShape, run: Run) -> list[tuple[str, dict[str, int]]]:
     gathered = [s * g * low if (sharded or low != 4) else 0 for s in shards]
     free_after_forward = sharded and run.strategy in ("FULL_SHARD", "HYBRID_SHARD")
     root = shape.root_is_a_unit(run.wrap)
+    # what of each unit's gathered copy stays from its forward to its backward (FULL_SHARD: the root's)
+    kept = [gathered[i] * (kept_after_forward(run.reshard_after_forward, i, len(units), root)
+                           if free_after_forward else 1) for i in range(len(units))]
     blocks = list(range(1 if root else 0, len(units)))  # the units that run between the root's two ends
     per_unit, full, root_acts, flow = _activations(shape, run)
     block_acts = dict(zip(blocks, per_unit))
     loss = shape.loss_backward_bytes(run.batch, seq, run.low_bytes)
-    fixed = {"parameters": state["parameters"], "optimizer_state": state["optimizer_state"],
+    on_gpu = 0 if run.offloaded else 1
+    fixed = {"parameters": on_gpu * state["parameters"], "optimizer_state": on_gpu * state["optimizer_state"],
              "buffers": state["buffers"], "ddp_buckets": state["ddp_buckets"]}
 
     def name(i):  # what a user calls unit i
@@ -260,47 +302,56 @@ def moments(shape: ModelShape, run: Run) -> list[tuple[str, dict[str, int]]]:
             return "the root unit (embeddings)" if i == 0 else f"block {i - 1}"
         return f"layer {i}"
 
-    def moment(where, grads=0, gathered_units=(), unsharded_grads=0, acts=0, temporaries=0):
-        m = dict(fixed, gradients=grads, unsharded_parameters=sum(gathered[i] for i in set(gathered_units)),
+    def moment(where, grads=0, held=None, unsharded_grads=0, acts=0, temporaries=0):
+        m = dict(fixed, gradients=grads, unsharded_parameters=int(sum((held or {}).values())),
                  unsharded_gradients=unsharded_grads, activations=acts, temporaries=temporaries)
         return where, {c: m[c] for c in CATEGORIES}
 
     out = []
-    held = [0] if root else []  # units gathered now
+    held = {0: gathered[0]} if root else {}  # unit -> its gathered bytes on this rank now
     acts = root_acts  # (the head's part too: saved at the forward's end, shown from its start)
     for i in blocks:  # forward
-        out.append(moment(f"forward, {name(i)}", gathered_units=held + [i], acts=acts + block_acts[i]))
+        out.append(moment(f"forward, {name(i)}", held=held | {i: gathered[i]}, acts=acts + block_acts[i]))
         acts += block_acts[i]
-        held = held + [i] if not free_after_forward else held
-    prefetch = [blocks[-1]] if free_after_forward and run.backward_prefetch and blocks else []
-    out.append(moment("backward, start: the loss's gradients, every activation alive", acts=acts,
-                      gathered_units=held + prefetch, temporaries=loss))
+        held = held | ({i: kept[i]} if kept[i] else {})
+    if run.backward_prefetch and blocks and kept[blocks[-1]] < gathered[blocks[-1]]:
+        held[blocks[-1]] = gathered[blocks[-1]]  # the first block of the backward, prefetched
+    out.append(moment("backward, start: the loss's gradients, every activation alive", acts=acts, held=held,
+                      temporaries=loss))
     # A unit's gradient: its pieces (one per parameter), then the flat gradient they are concatenated into,
     # both alive unless the gathered parameters were freed before the concatenation (the pieces sit on
     # those instead).  DDP's gradients are the parameters' own .grad (its buckets are counted apart).
-    pieces = 1 if sharded and run.frees_before_concat else 2
+    pieces = 1 if sharded and (run.frees_before_concat or run.impl == "fsdp2") else 2
     grads_done = 0
     order = list(reversed(blocks)) + ([0] if root else [])  # the root's embeddings end the backward
     for k, i in enumerate(order):
-        nxt = [order[k + 1]] if run.backward_prefetch and k + 1 < len(order) else []
+        nxt = {order[k + 1]: gathered[order[k + 1]]} if run.backward_prefetch and k + 1 < len(order) else {}
         before = acts - block_acts.get(i, 0)  # the activations of every unit before this one
-        recompute = full if run.activation_checkpointing and i in block_acts else 0
+        checkpointed = run.ac == "full" or (run.ac != "none" and block_acts.get(i, full) < full)
+        recompute = full if i in block_acts and checkpointed else 0  # its forward runs again
         # the gradient coming in and the one going out; the first layer computes none for its input (the batch)
         flows = 0 if i == 0 and root else 1 if i == 0 else 2
         out.append(moment(f"backward, {name(i)}, its gradient being formed",
-                          grads=grads_done + (0 if run.fsdp else 4 * units[i]), gathered_units=held + [i] + nxt,
+                          grads=grads_done + (0 if run.fsdp else 4 * units[i]), held=held | {i: gathered[i]} | nxt,
                           unsharded_grads=pieces * units[i] * grad_bytes if run.fsdp else 0,
                           acts=before + recompute, temporaries=flows * flow))
-        if run.fsdp and run.world_size > 1 and run.reduce_bytes != grad_bytes:  # torch frees the unit, casts its grad
-            out.append(moment(f"backward, {name(i)}, its gradient cast to {run.reduce_dtype} for the reduction",
-                              grads=grads_done, gathered_units=[u for u in held + nxt if u != i],
+        rest = {u: b for u, b in (held | nxt).items() if u != i}
+        if run.impl == "fsdp2" and run.world_size > 1:  # resharded, then the gradients copied into the RS input
+            out.append(moment(f"backward, {name(i)}, its gradients copied into the reduce-scatter's input",
+                              grads=grads_done, held=rest,
                               unsharded_grads=units[i] * grad_bytes + shards[i] * g * run.reduce_bytes,
                               acts=before, temporaries=flows * flow + shards[i] * run.reduce_bytes))
-        grads_done += 4 * (shards[i] if run.fsdp else units[i])
+        elif run.fsdp and run.world_size > 1 and run.reduce_bytes != grad_bytes:  # torch frees, casts the grad
+            out.append(moment(f"backward, {name(i)}, its gradient cast to {run.reduce_dtype} for the reduction",
+                              grads=grads_done, held=rest,
+                              unsharded_grads=units[i] * grad_bytes + shards[i] * g * run.reduce_bytes,
+                              acts=before, temporaries=flows * flow + shards[i] * run.reduce_bytes))
+        grads_done += on_gpu * 4 * (shards[i] if run.fsdp else units[i])
         acts = before
-        held = [u for u in held if u != i]
+        held = {u: b for u, b in held.items() if u != i}
     foreach = 4 * (sum(shards) if run.fsdp else shape.params) if run.optimizer == "adamw" else 0
-    out.append(moment("optimizer step", grads=state["gradients"], temporaries=foreach))
+    out.append(moment("optimizer step" + (" (on the CPU)" if run.offloaded else ""),
+                      grads=on_gpu * state["gradients"], temporaries=on_gpu * foreach))
     return out
 
 

@@ -86,44 +86,51 @@ class ModelShape:
     def inner(self) -> int:
         return self.ffn or 4 * self.hidden
 
-    def _block_tensors(self) -> list[int]:
-        h, f = self.hidden, self.inner
+    def _block_tensors(self) -> list[tuple[int, int]]:
+        """(rows, elements per row) of each parameter of one block: a Linear's weight is (out, in)."""
+        h, f, kv = self.hidden, self.inner, self.kv_width
         if self.arch == "gpt":  # ln1, qkv, proj, ln2, fc1, fc2: weight and bias each
-            return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
-        kv = h * self.kv_width  # llama: q, k, v, o, gate, up, down (no biases), the two RMSNorm weights
+            return [(h, 1), (h, 1), (3 * h, h), (3 * h, 1), (h, h), (h, 1), (h, 1), (h, 1), (f, h), (f, 1),
+                    (h, f), (h, 1)]
         if self.qkv_bias:  # Qwen2: each of q, k, v followed by its bias
-            return [h * h, h, kv, self.kv_width, kv, self.kv_width, h * h, f * h, f * h, h * f, h, h]
-        return [h * h, kv, kv, h * h, f * h, f * h, h * f, h, h]
+            return [(h, h), (h, 1), (kv, h), (kv, 1), (kv, h), (kv, 1), (h, h), (f, h), (f, h), (h, f), (h, 1),
+                    (h, 1)]
+        # llama: q, k, v, o, gate, up, down (no biases), the two RMSNorm weights
+        return [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f), (h, 1), (h, 1)]
 
-    def _root_tensors(self) -> list[int]:
+    def _root_tensors(self) -> list[tuple[int, int]]:
         h = self.hidden
         if self.arch == "gpt":  # tok_emb, pos_emb, ln_f weight and bias; the head is tied to tok_emb
-            return [self.vocab * h, self.seq * h, h, h]
+            return [(self.vocab, h), (self.seq, h), (h, 1), (h, 1)]
         if self.tied:  # llama with tie_word_embeddings: lm_head is embed_tokens, counted once
-            return [self.vocab * h, h]
-        return [self.vocab * h, h, self.vocab * h]  # llama: embed_tokens, norm, lm_head (untied)
+            return [(self.vocab, h), (h, 1)]
+        return [(self.vocab, h), (h, 1), (self.vocab, h)]  # llama: embed_tokens, norm, lm_head (untied)
 
     def block_numel(self) -> int:
         """Parameters of one block (one FSDP unit under ``wrap="layer"``)."""
-        return sum(self._block_tensors())
+        return sum(r * c for r, c in self._block_tensors())
 
     def root_numel(self) -> int:
         """Parameters the root unit holds: embeddings, final norm, an untied head."""
-        return sum(self._root_tensors())
+        return sum(r * c for r, c in self._root_tensors())
 
-    def tensor_numels(self, wrap: str = "layer") -> list[list[int]]:
-        """Each unit's parameter tensors' elements, in ``model.parameters()`` order (a tied weight once), the
-        root first; ``wrap`` "layer" (one unit per block, or per Linear of an MLP) or "none" (one unit).
-
-        An MLP's root holds no parameter (each Linear is a unit).  DDP's buckets are cut from these tensors;
-        AdamW keeps a 4-byte ``step`` per tensor it optimizes (DDP's: per tensor; FSDP's: per flat parameter)."""
+    def tensor_shapes(self, wrap: str = "layer") -> list[list[tuple[int, int]]]:
+        """Each unit's parameter tensors as (rows, elements per row), in ``model.parameters()`` order (a tied
+        weight once), the root first; ``wrap`` "layer" (one unit per block, or per Linear of an MLP) or "none"
+        (one unit).  FSDP2 shards each tensor by rows (:mod:`minifsdp.memory.plan_fsdp2`)."""
         if wrap not in ("layer", "none"):
             raise ValueError(f"unknown wrap {wrap!r}; use 'layer' (one unit per block) or 'none' (one unit).")
         if self.arch == "mlp":
-            units = [[a * b, b] for a, b in zip(self.dims[:-1], self.dims[1:])]
+            units = [[(b, a), (b, 1)] for a, b in zip(self.dims[:-1], self.dims[1:])]
         else:
             units = [self._root_tensors()] + [self._block_tensors() for _ in range(self.layers)]
-        return units if wrap == "layer" else [[n for unit in units for n in unit]]
+        return units if wrap == "layer" else [[t for unit in units for t in unit]]
+
+    def tensor_numels(self, wrap: str = "layer") -> list[list[int]]:
+        """Each unit's parameter tensors' elements (as :meth:`tensor_shapes`).  An MLP's root holds no parameter
+        (each Linear is a unit).  DDP's buckets are cut from these tensors; AdamW keeps a 4-byte ``step`` per
+        tensor it optimizes (DDP's and FSDP2's: per tensor; FSDP1's: per flat parameter)."""
+        return [[r * c for r, c in unit] for unit in self.tensor_shapes(wrap)]
 
     def unit_numels(self, wrap: str = "layer") -> list[int]:
         """Each FSDP unit's flat-parameter elements (unpadded), the root unit first."""

@@ -3,10 +3,11 @@
 A step cannot finish before its arithmetic is done at the GPU's peak rate, nor before its bytes have
 crossed the slowest link it uses at that link's peak rate:
 
-    compute  = FLOPs per rank / peak FLOP/s            (6 per weight per token, + attention; x 4/3 with
-                                                        activation checkpointing: one more forward)
+    compute  = FLOPs per rank / peak FLOP/s            (6 per weight per token, + attention; + what activation
+                                                        checkpointing runs again: minifsdp.memory.plan_ac)
     network  = sum over collectives of bytes sent / link speed   (inside a node, or between nodes)
-    step    >= max(compute, network)                   (the two overlap at best: a lower bound)
+    host     = bytes CPU offload copies / host link    (PCIe, per card: minifsdp.memory.gpus)
+    step    >= max(compute, network, host)             (they overlap at best: a lower bound)
 
 FSDP hides its network time only if each unit's collectives travel while another unit computes: the next
 unit's all-gather behind this unit's forward, and in the backward the next all-gather plus this unit's
@@ -33,6 +34,7 @@ import dataclasses
 
 from minifsdp.memory.gpus import GPU, GPUS, with_links
 from minifsdp.memory.plan import STRATEGIES, Run, bytes_sent, collectives, model_state, peak
+from minifsdp.memory.plan_ac import recompute_flops, saved_ops
 from minifsdp.memory.plan_shapes import ModelShape
 
 __all__ = ["GPU", "GPUS", "USABLE", "with_links", "step_time", "overlap", "fits", "advise", "assumptions", "report",
@@ -42,8 +44,21 @@ USABLE = 0.9
 
 
 def _flops(shape: ModelShape, run: Run) -> float:
-    f = shape.matmul_flops(run.batch, run.seq or shape.seq)
-    return f * 4 / 3 if run.activation_checkpointing else f
+    seq = run.seq or shape.seq
+    return shape.matmul_flops(run.batch, seq) + recompute_flops(shape, run.ac, run.batch, seq)
+
+
+def host_copies(shape: ModelShape, run: Run) -> int:
+    """Bytes CPU offload copies over the host link per step (0 without it): each shard to the GPU for every
+    all-gather that starts from the shards (fp32, as stored; an int ``reshard_after_forward``'s backward gathers
+    from pieces kept on the GPU), each reduced gradient shard back (fp32, padded).  Unsharded (NO_SHARD, one
+    rank): each unit in once, its gradient out once."""
+    if not run.offloaded:
+        return 0
+    if run.shard_size == 1:
+        return 2 * 4 * shape.params
+    return sum(4 * c.numel // c.group_size for c in collectives(shape, run)
+               if c.kind == "reduce-scatter" or (c.kind == "all-gather" and c.group_size == run.shard_size))
 
 
 def _seconds(c, gpu: GPU) -> float:
@@ -51,10 +66,14 @@ def _seconds(c, gpu: GPU) -> float:
 
 
 def step_time(shape: ModelShape, run: Run, gpu: GPU) -> dict[str, float]:
-    """{"compute_s", "network_s", "lower_bound_s"} for one step on ``gpu`` (published peaks)."""
+    """{"compute_s", "network_s", "host_link_s", "lower_bound_s"} for one step on ``gpu`` (published peaks).
+    With CPU offload the host link's copies are a third bound: they run on their own copy engines beside the
+    collectives and the compute, so at best they overlap both (the CPU's optimizer step is left out)."""
     compute = _flops(shape, run) / gpu.flops(run.precision)
     network = sum(_seconds(c, gpu) for c in collectives(shape, run))
-    return {"compute_s": compute, "network_s": network, "lower_bound_s": max(compute, network)}
+    host = 8 * host_copies(shape, run) / gpu.host_bps if run.offloaded else 0.0
+    return {"compute_s": compute, "network_s": network, "host_link_s": host,
+            "lower_bound_s": max(compute, network, host)}
 
 
 def overlap(shape: ModelShape, run: Run, gpu: GPU) -> dict[str, dict[str, float | bool]]:
@@ -68,7 +87,9 @@ def overlap(shape: ModelShape, run: Run, gpu: GPU) -> dict[str, dict[str, float 
     flops = shape.unit_flops(run.batch, run.seq or shape.seq, run.wrap)
     replicated = run.strategy in ("DDP", "NO_SHARD")
     unit = len(flops) - 1
-    recompute = 1 / 3 if run.activation_checkpointing else 0
+    seq = run.seq or shape.seq
+    base = shape.matmul_flops(run.batch, seq)
+    recompute = recompute_flops(shape, run.ac, run.batch, seq) / base if base else 0
     out = {}
     for phase, share in (("forward", 1 / 3), ("backward", 2 / 3 + recompute)):
         wire = sum(_seconds(c, gpu) for c in comm if c.phase == phase and (replicated or c.unit == unit))
@@ -83,8 +104,12 @@ def fits(shape: ModelShape, run: Run, gpu: GPU) -> bool:
 
 
 def _candidates(run: Run) -> list[Run]:
+    if run.impl == "fsdp2":  # fully_shard on one mesh dimension: its reshard setting is the user's
+        return [run]
     out = []
     for s in STRATEGIES:
+        if s == "DDP" and run.offloaded:  # DDP has no CPU offload
+            continue
         if s == "HYBRID_SHARD" and (run.world_size <= run.gpus_per_node or run.world_size % run.gpus_per_node):
             continue
         out.append(dataclasses.replace(run, strategy=s))
@@ -103,8 +128,11 @@ def smallest_world_that_fits(shape: ModelShape, run: Run, gpu: GPU, largest: int
     """The fewest ranks, any whole number, at which FULL_SHARD fits (None: none up to ``largest``): doubling to
     the first power of two that fits, then bisecting below it.  The peak falls as N grows except for a unit's
     padding (a few bytes), so the answer fits and the world size one below it does not."""
+    reshard = "true" if run.reshard_after_forward.isdigit() else run.reshard_after_forward  # k need not divide n
+
     def ok(n):
-        return fits(shape, dataclasses.replace(run, world_size=n, strategy="FULL_SHARD"), gpu)
+        return fits(shape, dataclasses.replace(run, world_size=n, strategy="FULL_SHARD",
+                                               reshard_after_forward=reshard), gpu)
 
     n = 1
     while n <= largest and not ok(n):
@@ -195,11 +223,15 @@ def assumptions(shape: ModelShape, run: Run, gpu: GPU) -> dict:
         "matmul_parameters": shape.matmul_params(),
         "flops_formula": ("6 x matmul parameters x samples" if mlp else
                           "6 x matmul parameters x tokens + 12 x layers x seq x hidden x tokens (attention)")
-                         + (", x 4/3 (activation checkpointing: the forward again)" if run.activation_checkpointing
-                            else ""),
+                         + {"none": "", "full": ", x 4/3 (activation checkpointing: the forward again)",
+                            "selective": ", + 2 x the recomputed matmuls' weights x tokens (selective checkpointing)"
+                            }.get(run.ac, f", + 1/3 of each checkpointed block's ({run.ac}: its forward again)"),
+        "activation_checkpointing": saved_ops(shape, run.ac),
+        "host_link_bits_per_s": gpu.host_bps if run.offloaded else 0.0,
         "peak_flops": gpu.flops(run.precision), "peak_flops_dtype": run.precision,
         "intra_node_bits_per_s": gpu.intra_node_bps, "inter_node_bits_per_s": gpu.inter_node_bps,
-        "overlap": "perfect: step >= max(compute, network), compute and communication fully overlapped",
+        "overlap": f"perfect: step >= max(compute, network{', host link' if run.offloaded else ''}), compute and "
+                   f"communication fully overlapped",
         "latency_s": 0.0, "latency": "left out (each ring step also pays a message latency, N - 1 per collective)",
         "usable_memory_fraction": USABLE,
     }
@@ -222,13 +254,15 @@ def report(shape: ModelShape, run: Run, gpu: GPU) -> dict:
         "run": dataclasses.asdict(run) | {"seq": run.seq or shape.seq},
         "gpu": {"name": gpu.name, "memory_bytes": gpu.memory, "peak_flops": gpu.flops(run.precision),
                 "intra_node_bits_per_s": gpu.intra_node_bps, "inter_node_bits_per_s": gpu.inter_node_bps,
+                "host_link_bits_per_s": gpu.host_bps, "host_link": gpu.host_link,
                 "source": gpu.source + " (published figures, not measurements)"},
         "per_rank_bytes": {k: state[k] for k in ("parameters", "gradients", "optimizer_state", "buffers",
                                                  "ddp_buckets")},
         "model_state_bytes_per_rank": state["model_state"],
         "peak_bytes_per_rank": top, "peak_where": where, "peak_breakdown_bytes": parts,
         "bytes_sent_per_rank_per_step": sum(c.bytes_sent for c in comm), "collectives": kinds,
-        "compute_s": time["compute_s"], "network_s": time["network_s"],
+        "compute_s": time["compute_s"], "network_s": time["network_s"], "host_link_s": time["host_link_s"],
+        "host_bytes_per_rank": state["host"], "host_bytes_copied_per_step": host_copies(shape, run),
         "step_time_lower_bound_s": time["lower_bound_s"], "overlap": overlap(shape, run, gpu),
         "fits": top <= USABLE * gpu.memory, "advice": advise(shape, run, gpu),
         "assumptions": assumptions(shape, run, gpu),
