@@ -150,7 +150,8 @@ class Job:
             self.proc.wait(timeout=timeout_s)
 
     def view(self) -> TrainView:
-        return compute({**self.setting, "run_dir": self.run_dir}, state=self.state)
+        return compute({**self.setting, "run_dir": self.run_dir, "resume": self.starts[-1:] == ["resume"]},
+                       state=self.state)
 
 
 @dataclass(frozen=True)
@@ -168,10 +169,12 @@ class TrainView:
 
 
 def compute(setting: dict | None = None, state: str | None = None) -> TrainView:
-    """The command for ``setting`` and, when it names a ``run_dir``, the records and checkpoints the job wrote."""
+    """The command for ``setting`` and, when it names a ``run_dir`` (and ``resume``: the last launch resumed), the
+    records and checkpoints the job wrote there."""
     s = _setting(setting)
     run_dir = s.get("run_dir")
-    return TrainView(s, command(s, run_dir or "DIR"), state or ("not started" if run_dir is None else "-"),
+    state = state or ("not started" if run_dir is None else "-")
+    return TrainView(s, command(s, run_dir or "DIR", bool(s.get("resume"))), state,
                      read_log(run_dir), checkpoint_steps(run_dir, "ours") if run_dir else [])
 
 
