@@ -30,8 +30,10 @@ from torch.distributed.fsdp import StateDictType
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
 
-from minifsdp import FSDP, MLP, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from minifsdp.fsdp import FSDP, ShardingStrategy
 from minifsdp.fsdp.torch_options import size_based_auto_wrap_policy
+from minifsdp.fsdp2 import MixedPrecisionPolicy, fully_shard
+from minifsdp.models import MLP
 
 __all__ = ["CPU", "PITFALLS", "error_of", "warnings_of", "optimizer_cases", "load_cases", "hybrid_cases", "clip_cases",
            "frozen_cases", "small_tensor_cases", "torch_dcp_cases", "run_pitfalls"]

@@ -20,8 +20,10 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from minifsdp.cells.pitfall_runs import run_pitfalls
 from minifsdp.explorers.panel import live_panel, static_view, with_kernel_line
 from minifsdp.explorers.panel import show as show_panel
+from minifsdp.launch import spawn
 
 __all__ = ["PITFALLS", "DEFAULT", "RUNS", "run_many", "run", "PitfallView", "rows_of", "compute", "format_pitfall",
            "fallback", "panel", "show"]
@@ -58,9 +60,6 @@ def run_many(pitfalls: list[str], world_size: int) -> None:
     """Run every pitfall of ``pitfalls`` not in :data:`RUNS` yet at ``world_size`` ranks, in one spawn; keep each."""
     todo = [p for p in dict.fromkeys(pitfalls) if (p, int(world_size)) not in RUNS]
     if todo:
-        from minifsdp.cells.pitfall_runs import run_pitfalls
-        from minifsdp.launch import spawn
-
         facts = spawn(run_pitfalls, args=(todo,), world_size=int(world_size), timeout_s=300)
         for p in todo:
             RUNS[p, int(world_size)] = [f[p] for f in facts]
