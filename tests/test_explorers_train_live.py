@@ -102,3 +102,25 @@ def test_stop_kills_the_job_and_resume_continues_from_the_checkpoint(stopped_and
     # steps the first run logged after its last checkpoint were run again from it: bitwise the same losses
     again = first[resumed_from:]
     assert [r["loss"] for r in after[resumed_from:resumed_from + len(again)]] == [r["loss"] for r in again]
+
+
+@pytest.mark.timeout(400)
+def test_the_panels_start_button_runs_the_job_and_its_output_follows_it():
+    """The panel's own path: start pressed, its watcher thread redraws the output from the job's files each second
+    until the job ends; the last drawing is the finished run's text and its loss curve."""
+    pytest.importorskip("ipywidgets")
+    box = train_live.panel()
+    controls, buttons, out = box.children[1].children, box.children[2].children, box.children[3]
+    controls[0].value = 4  # steps
+    buttons[0].click()  # start
+    deadline = time.monotonic() + 300
+    while "state: finished" not in "".join(o.get("text", "") for o in out.outputs):
+        assert time.monotonic() < deadline, out.outputs
+        assert "exited with code" not in "".join(o.get("text", "") for o in out.outputs), out.outputs
+        time.sleep(0.5)
+    text, picture = out.outputs
+    run_dir = re.search(r"--checkpoint-dir (\S+)", text["text"]).group(1)
+    view = train_live.compute({**train_live.DEFAULT, "steps": 4, "run_dir": run_dir}, state="finished")
+    assert text["text"] == train_live.format_run(view) + "\n" and len(view.records) == 4
+    assert "image/png" in picture["data"]
+    shutil.rmtree(run_dir, ignore_errors=True)
