@@ -49,6 +49,9 @@ _EXTENDED = (  # node-id prefixes: long runs whose subject a default-tier test a
     "tests/test_memory_census.py::test_tracker_equals_census_for_every_trainer",
     "tests/test_browser.py::test_the_ring_slider_redraws_in_the_browser",
     "tests/test_browser.py::test_an_explorer_redraws_what_the_library_computes_for_the_new_setting",
+    "tests/test_explorers_train_live.py::test_the_explorer_reads_the_losses_the_job_logged",  # a real job,
+    "tests/test_explorers_train_live.py::test_stop_kills_the_job_and_resume_continues_from_the_checkpoint",  # twice
+    "tests/test_explorers_train_live.py::test_the_panels_start_button_runs_the_job_and_its_output_follows_it",
     "tests/test_memory_vs_torch.py::test_at_rest_ours_holds_nothing_that_gloos_worker_thread_was_slow_to_drop",
     "tests/test_memory_census.py::test_on_peak_runs_a_witness_at_the_peak",
     "tests/test_memory.py::test_two_ranks_ddp_vs_fsdp1_memory",  # test_memory_vs_torch holds ours against torch

@@ -301,13 +301,15 @@ def _shows(text: str, expected: str) -> bool:
     return all(line.strip() in text for line in expected.splitlines() if line.strip())
 
 
-EXPLORERS = [  # (notebook, explorer module, the setting after the first slider moves one step right)
+EXPLORERS = [  # (notebook, explorer module, the setting after the first slider moves one step right, or the menu)
     ("05_fsdp_future.ipynb", "flat_vs_rows", {"world_size": 6}),
     ("02_fsdp_core.ipynb", "shard_layout", {"world_size": 4}),
     ("02_fsdp_core.ipynb", "ring_time", {"message_bytes": 2**21}),
     ("01_parallel_training_overview.ipynb", "ddp_buckets", {"bucket_cap_mb": 0.05}),
     ("04_advanced_topics.ipynb", "pipeline_schedule", {"stages": 5}),
     ("04_advanced_topics.ipynb", "mixed_precision", {"world_size": 5}),
+    ("03_fsdp_in_practice.ipynb", "train_live", {"steps": 61}),
+    ("06_when_fsdp_goes_wrong.ipynb", "pitfall_pair", {"pitfall": "hybrid"}),  # its menu, then its run button
 ]
 
 
@@ -315,14 +317,15 @@ EXPLORERS = [  # (notebook, explorer module, the setting after the first slider 
 @pytest.mark.parametrize("notebook, name, moved", EXPLORERS, ids=[e[1] for e in EXPLORERS])
 def test_an_explorer_redraws_what_the_library_computes_for_the_new_setting(page, lab, notebook, name, moved):
     """An explorer's cell, run alone by JupyterLab's own kernel (it imports what it needs): its first slider moved
-    one step (and, for the shape explorer, a shape typed), the panel prints what the explorer's ``compute`` gives
-    for each new setting, formatted as the panel formats it, both computed here in the test's process."""
+    one step (for the pitfall explorer: its menu set and its run button pressed; for the shape explorer, a shape typed
+    too), the panel prints what the explorer's ``compute`` gives for each new setting, formatted as the panel formats
+    it, both computed here in the test's process."""
     import importlib
 
     module = importlib.import_module(f"minifsdp.explorers.{name}")
     text = {"flat_vs_rows": "format_view", "shard_layout": "format_view", "ring_time": "format_times",
             "ddp_buckets": "format_buckets", "pipeline_schedule": "format_schedule",
-            "mixed_precision": "format_precision"}[name]
+            "mixed_precision": "format_precision", "train_live": "format_run", "pitfall_pair": "format_pitfall"}[name]
     settings = {"default": {}, "moved": moved}
     if name == "flat_vs_rows":
         settings["typed"] = {**moved, "shape": "7, 3"}
@@ -355,12 +358,17 @@ def test_an_explorer_redraws_what_the_library_computes_for_the_new_setting(page,
 
     def wait_for(key: str) -> None:
         lines = [line.strip() for line in expected[key].splitlines() if line.strip()]
-        page.wait_for_function(shows, arg=[cell.element_handle(), lines], timeout=60_000)
+        page.wait_for_function(shows, arg=[cell.element_handle(), lines], timeout=180_000 if "pitfall" in moved
+                               else 60_000)  # a pitfall's run spawns ranks in the kernel
         assert _shows(_widget_text(cell), expected[key]), key
 
     wait_for("default")
-    cell.locator(".widget-slider .noUi-handle").first.focus()
-    page.keyboard.press("ArrowRight")
+    if "pitfall" in moved:  # the first control is a menu; a new setting runs its ranks when run is pressed
+        cell.locator(".widget-dropdown select").first.select_option(label=moved["pitfall"])
+        cell.locator(".widget-button", has_text="run").first.click()
+    else:
+        cell.locator(".widget-slider .noUi-handle").first.focus()
+        page.keyboard.press("ArrowRight")
     wait_for("moved")
     if "typed" in expected:
         box = cell.locator(".widget-text input").first
