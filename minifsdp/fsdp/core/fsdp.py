@@ -8,7 +8,7 @@
 Each wrapped module is a *unit* that owns one flat parameter.  The class below is written in
 the step's order, one section per phase:
 
-    0. wrap          flatten each unit's parameters, keep this rank's 1/N        __init__, _flatten
+    0. wrap          flatten each unit's parameters, keep this rank's 1/N        __init__
     1. forward       pre-forward: all-gather; run; post-forward: free or keep    forward, _pre_forward,
                                                                                  _post_forward
     2. backward      pre-backward: all-gather again; autograd computes the       _pre_backward_hook,
@@ -46,6 +46,7 @@ import contextlib
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -120,33 +121,27 @@ class FullyShardedDataParallel(Unit):
             kwargs = dict(process_group=process_group, sharding_strategy=plan.strategy, collectives=collectives,
                           backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
                           forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
-            recursive_wrap(module, auto_wrap_policy, lambda m: type(self)(m, **kwargs), only_wrap_children=True)
+            recursive_wrap(module, auto_wrap_policy, partial(type(self), **kwargs), only_wrap_children=True)
         self._fsdp_wrapped_module = module
-        self._handle = self._flatten(module)
+        # The unit's own parameters (none that a nested unit took) in one flat parameter; no handle if none.
+        # After this, ``module.parameters()`` yields one 1-D shard where it yielded the originals.
+        taken = flattened_params(module)
+        params = [p for p in module.parameters() if id(p) not in taken]
+        layout = build_layout(module, params, self.groups.shard_size if plan.shards_params else 1) if params else None
+        for ext in self._extensions:  # torch's keywords may keep some out, or lay them out anew
+            layout = ext.on_wrap(self, layout)
+        self._handle = None if layout is None else FlatParamHandle(module, layout, self.groups, plan, self.comm,
+                                                                   mixed_precision)
         # set at the first forward (_lazy_init): the root unit; on the root only, its RootState; False inside no_sync()
         self._root, self._root_state, self._sync_gradients = None, None, True
         if self._handle is not None:
+            self._handle.take_over_params()
             # wrapped: the parameters are sharded, as after every reshard
             for ext in self._extensions:
                 ext.after_reshard(self)
             unit = weakref.ref(self)  # the hook lives in C++, unseen by Python's GC: it must not hold the unit
             self._handle.post_backward_hook = lambda *_: unit()._post_backward_hook()
             self._handle.register_post_backward_hook()  # once its gradient leaf requires grad (handle.py)
-
-    def _flatten(self, module: nn.Module) -> FlatParamHandle | None:
-        """The unit's own parameters (none that a nested unit took) in one flat parameter; None if none.
-        After this, ``module.parameters()`` yields one 1-D shard where it yielded the originals."""
-        taken = flattened_params(module)
-        params = [p for p in module.parameters() if id(p) not in taken]
-        layout = build_layout(module, params, self.groups.shard_size if self.plan.shards_params else 1) \
-            if params else None
-        for ext in self._extensions:  # torch's keywords may keep some out, or lay them out anew
-            layout = ext.on_wrap(self, layout)
-        if layout is None:
-            return None
-        handle = FlatParamHandle(module, layout, self.groups, self.plan, self.comm, self.mixed_precision)
-        handle.take_over_params()
-        return handle
 
     # ================================================================== 1. forward
     # torch: FullyShardedDataParallel.forward: _root_pre_forward, _pre_forward, the module, _post_forward.

@@ -90,6 +90,7 @@ class FlatParamHandle:
         self.casts_unsharded = self.dtypes.casts_params and not self.sharded  # NO_SHARD: cast, no gather
         self.calls_alone = self.dtypes.casts_params  # each call's views through a _OneCall (fixed at wrap time)
         self.frees = self.sharded or self.casts_unsharded  # the compute buffer is freed between uses
+        self.gradient = UnitGradient(self)  # (it reads the plan and mixed_precision only)
         full = flatten(layout)
         requires_grad = any(s.requires_grad for s in layout.slots)
         self.flat_param = nn.Parameter(shard(full, self.rank, layout.world_size), requires_grad=requires_grad)
@@ -105,7 +106,6 @@ class FlatParamHandle:
         self.gathering = self.gathered_from = None
         self.views_prefetched = False  # a forward prefetch made the views: the unit's own pre-forward keeps them
         self.name = "unit"  # its module path, set by the root (for messages and traces)
-        self.gradient = UnitGradient(self)
         # what autograd calls once the full gradient is summed (the step's post-backward hook); its registration
         self.post_backward_hook = self.post_backward_registered = None
 
