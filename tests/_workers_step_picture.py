@@ -109,11 +109,11 @@ def _fsdp1_ours(rank, world):
 
     def pre_backward(orig):
         def run(self, grad):
-            queued = self._root._root_step.final_callback_queued
+            queued = self._root._root_state.final_callback_queued
             log.events.append(("pre-backward", name(self)))
             at = len(log.events)
             out = orig(self, grad)
-            if not queued and self._root._root_step.final_callback_queued:
+            if not queued and self._root._root_state.final_callback_queued:
                 log.events.insert(at, ("queue the final callback",))
             return out
         return run
@@ -137,8 +137,8 @@ def _fsdp1_ours(rank, world):
             return orig(self)
         return run
 
-    def reshard(orig):
-        def run(self, free=True):
+    def end_use(orig):
+        def run(self, free):
             before = self.state
             out = orig(self, free)
             if before is not HandleState.SHARDED and self.state is HandleState.SHARDED:
@@ -164,7 +164,7 @@ def _fsdp1_ours(rank, world):
                  (Core, "_pre_backward_hook", pre_backward), (Core, "_post_backward_hook", hook("post-backward")),
                  (Core, "_post_backward_final_callback", final_callback),
                  (FlatParamHandle, "start_unshard", start_unshard), (FlatParamHandle, "wait_unshard", wait_unshard),
-                 (FlatParamHandle, "reshard", reshard), (UnitGradient, "start_reduce", start_reduce),
+                 (FlatParamHandle, "end_use", end_use), (UnitGradient, "start_reduce", start_reduce),
                  (UnitGradient, "finish_reduce", finish_reduce)):
         model = Core(TinyGPT(seed=0), auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                                          transformer_layer_cls={Block}))

@@ -63,3 +63,6 @@ def test_the_step_route_prints_its_own_count():
     chapter = (Path(__file__).resolve().parents[1] / "chapters" / "02_fsdp_core.md").read_text()
     quoted = re.findall(r"`python -m minifsdp route` prints the route.*?: (\d+) file switches", chapter, re.S)
     assert quoted == [str(route.switches)], (quoted, route.switches)
+    # and the files it quotes, visit by visit
+    told = re.search(r"File by file, (.*?) \(the end\)", chapter, re.S)
+    assert told and re.findall(r"`(\w+)`", told.group(1)) == [f.removesuffix(".py") for f, _ in route.visits]

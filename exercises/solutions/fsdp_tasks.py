@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from minifsdp.comm import get_collectives
 from minifsdp.comm.devices import collective_device
 from minifsdp.fsdp.core.flat_param import padded_size, shard
-from minifsdp.fsdp.core.gradient import finish_reduced_shard, prepare_for_reduce_scatter
+from minifsdp.fsdp.core.gradient import finish_reduced_shard, reduction_input
 from minifsdp.fsdp.core.strategy import predivide_factor
 from minifsdp.fsdp.full_params import grad_norm
 
@@ -78,7 +78,7 @@ def reduce_scatter_gradient(full_grad: torch.Tensor, group=None) -> torch.Tensor
     n = dist.get_world_size(group)
     pre = predivide_factor(n)
     flat = full_grad.detach().reshape(-1).clone()  # a copy: the caller's gradient stays as is
-    padded = prepare_for_reduce_scatter(flat, padded_size(flat.numel(), n), flat.dtype, pre)
+    padded = reduction_input(flat, padded_size(flat.numel(), n), flat.dtype, pre)
     out = torch.empty(padded.numel() // n, dtype=full_grad.dtype, device=full_grad.device)
     get_collectives("torch").reduce_scatter(out, padded, group=group)  # torch's own, like FSDP1
     return finish_reduced_shard(out, n / pre, out.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from minifsdp.fsdp.core.flat_param import padded_size
-from minifsdp.fsdp.core.gradient import finish_reduced_shard, prepare_for_reduce_scatter
+from minifsdp.fsdp.core.gradient import finish_reduced_shard, reduction_input
 from minifsdp.fsdp.core.mixed_precision import MixedPrecision, resolve_dtypes
 from minifsdp.fsdp.core.prefetch import prefetch_target
 from minifsdp.fsdp.core.strategy import predivide_factor
@@ -36,7 +36,7 @@ def reduce_gradient_shard(rank_grads: list[torch.Tensor], rank: int, reduce_dtyp
     padded = padded_size(rank_grads[0].numel(), n)
     total = None
     for g in rank_grads:
-        g = prepare_for_reduce_scatter(g.clone(), padded, reduce_dtype, f)  # a copy: the caller's stays as is
+        g = reduction_input(g.clone(), padded, reduce_dtype, f)  # a copy: the caller's stays as is
         total = g if total is None else total + g
     shard = total[rank * (padded // n): (rank + 1) * (padded // n)].clone()
     return finish_reduced_shard(shard, n / f, param_dtype)

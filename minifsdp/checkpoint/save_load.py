@@ -178,7 +178,7 @@ def load(directory: str, model: nn.Module, optimizer=None, reshard: bool = True,
     def read():
         reader = reader_for(manifest)
         for unit in units_with_params(model):  # a full buffer kept since its gather would not see the shards
-            unit._handle.reshard()             # written below (through .data, no version bump): drop it
+            unit._handle.end_use(free=True)    # written below (through .data, no version bump): drop it
         with torch.no_grad():
             for h in my_holders:
                 flat = h.tensor.data.view(-1)

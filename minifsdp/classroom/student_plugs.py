@@ -301,4 +301,4 @@ def plug_into(model: nn.Module, twin: nn.Module, plug: Plug, mirror=None) -> Non
                 u._handle.comm = comm
     if "prefetch_target" in fns:
         model._lazy_init()  # what the first forward would do (core/fsdp.py); then its order is ours to replace
-        model._root_step.order = StudentOrder(plug)
+        model._root_state.order = StudentOrder(plug)

@@ -92,7 +92,7 @@ class BackwardExtras(Extension):
     def _free_before_concat(self, unit, token) -> None:
         if unit is not None and self.free_token is token \
                 and unit.training_state is TrainingState.PRE_BACKWARD and unit._should_free_in_backward():
-            unit._handle.reshard()
+            unit._handle.end_use(free=True)
 
     def after_forward(self, unit, output) -> None:
         """Tag this call's outputs (after the core's pre-backward hooks on them, so these run after those)."""

@@ -74,7 +74,7 @@ def full_precision(h):
     if not h.dtypes.casts_params:
         yield
         return
-    h.reshard()
+    h.end_use(free=True)
     # fp32: the shards' own dtype
     low, h.padded = (h.padded, h.unsharded), torch.empty(h.layout.padded_numel, dtype=h.dtypes.orig,
                                                          device=h.flat_param.device)
@@ -82,7 +82,7 @@ def full_precision(h):
     try:
         yield
     finally:
-        h.reshard()
+        h.end_use(free=True)
         h.padded, h.unsharded = low
 
 
@@ -112,14 +112,14 @@ def _summoned(unit, writeback: bool, shown: bool):
                     for ext in unit._extensions:
                         ext.after_unshard(unit)
                 elif not kept:  # rank0_only, another rank: it only took part in the all-gather
-                    h.reshard()
+                    h.end_use(free=True)
             try:
                 yield
             finally:
                 if h is not None and shown and writeback:
                     write_back(h)
                 if h is not None and shown and not kept:
-                    h.reshard()
+                    h.end_use(free=True)
         if h is not None and shown:
             hide_full_params(h)
             for ext in unit._extensions:

@@ -32,7 +32,7 @@ __all__ = ["full_state_dict", "load_full_state_dict_into_shards", "buffer_dtype_
 
 def buffer_dtype_of(root: nn.Module, module: nn.Module, name: str, buffer: torch.Tensor) -> torch.dtype:
     """The dtype ``module.<name>`` had before mixed precision's ``buffer_dtype`` cast it."""
-    step = getattr(root, "_root_step", None)
+    step = getattr(root, "_root_state", None)
     return buffer.dtype if step is None else step.buffer_dtypes.get((id(module), name), buffer.dtype)
 
 

@@ -181,7 +181,7 @@ class OrigParams(Extension):
         skipped its sharded views (the core leaves a unit the backward never reached as its forward left it)."""
         if self.forward_views is not None and unit._handle is not None \
                 and unit._handle.state is HandleState.UNSHARDED:
-            unit._reshard(free=unit._should_free_in_backward())
+            unit._end_use(free=unit._should_free_in_backward())
 
     def use_sharded_views(self, unit) -> None:
         """Between uses: each original, registered again in the flat parameter's order (a tied weight's second

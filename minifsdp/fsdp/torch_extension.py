@@ -97,10 +97,10 @@ class TorchExtension(Extension):
 
     # ------------------------------------------------------------------ the root's first forward
     def on_lazy_init(self, root) -> None:
-        check_homogeneous(root._root_step.units)
-        for unit in root._root_step.units:  # where torch fails on a CPU-only machine, after its own checks
+        check_homogeneous(root._root_state.units)
+        for unit in root._root_state.units:  # where torch fails on a CPU-only machine, after its own checks
             check_cpu_offload(getattr(unit, "cpu_offload", None))
-        for unit in root._root_step.units:  # torch's lazy init: the dtypes are fixed from now on
+        for unit in root._root_state.units:  # torch's lazy init: the dtypes are fixed from now on
             ext = _own(unit)
             if unit._handle is not None and ext is not None:
                 adopt_dtype(unit._handle)
@@ -110,7 +110,7 @@ class TorchExtension(Extension):
     def before_forward(self, unit, args, kwargs) -> None:
         if not unit.is_root:
             return
-        inside = unit._root_step.units
+        inside = unit._root_state.units
         for u in inside:  # requires_grad set by the user after wrapping: what the optimizer steps says
             h = u._handle
             if h is not None:
@@ -137,7 +137,7 @@ class TorchExtension(Extension):
         grads = []  # whether each output tensor needs a gradient, in the core's walk (flags: see its hooks)
         _apply_to_tensors(lambda t: grads.append(t.requires_grad) or t, output)
         if unit.is_root and torch.is_grad_enabled() and any(grads):
-            self.versions_at_forward = _shard_versions(unit._root_step.units)
+            self.versions_at_forward = _shard_versions(unit._root_state.units)
 
     def after_backward(self, unit) -> None:
         self.versions_at_forward = None

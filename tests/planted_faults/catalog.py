@@ -475,8 +475,8 @@ FAULTS = [
         plants="BACKWARD_POST's prefetch asks for the unit after this one in the forward order (its backward is "
                "done, so nothing is prefetched), not the one the backward needs next",
         target="minifsdp.fsdp.core.fsdp:FullyShardedDataParallel._post_backward_reshard",
-        old="self._prefetch(self._root._root_step.order.next_in_backward, in_backward=True)",
-        new="self._prefetch(self._root._root_step.order.next_in_forward, in_backward=True)",
+        old="self._prefetch(self._root._root_state.order.next_in_backward, in_backward=True)",
+        new="self._prefetch(self._root._root_state.order.next_in_forward, in_backward=True)",
         test="tests/test_fsdp_regimes_torch.py::"
              "test_collective_order_in_each_step_is_torch_s[linears-FULL_SHARD-BACKWARD_POST-default]",
         why="the numbers never change (a prefetch only moves an all-gather); the common setup, an nn.Sequential of "

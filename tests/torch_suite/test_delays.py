@@ -47,16 +47,16 @@ STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, Shard
 
 @contextlib.contextmanager
 def real_cpu_sleeps(api):
-    """common_fsdp's delays sleep with ``time.sleep`` (its HPU/XPU branch); ours' reshard sleeps first too."""
+    """common_fsdp's delays sleep with ``time.sleep`` (its HPU/XPU branch); ours' end_use sleeps first too."""
     patches = [mock.patch.object(cf, "TEST_HPU", True)]
     if api.ours:
-        real_reshard = FlatParamHandle.reshard
+        real_end_use = FlatParamHandle.end_use
 
-        def reshard_late(self, *args, **kwargs):
+        def end_use_late(self, *args, **kwargs):
             time.sleep(DELAY_MS / 1000)
-            return real_reshard(self, *args, **kwargs)
+            return real_end_use(self, *args, **kwargs)
 
-        patches.append(mock.patch.object(FlatParamHandle, "reshard", reshard_late))
+        patches.append(mock.patch.object(FlatParamHandle, "end_use", end_use_late))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)

@@ -8,7 +8,7 @@
 Each wrapped module is a *unit* that owns one flat parameter.  The class below is written in
 the step's order, one section per phase:
 
-    0. wrap          flatten each unit's parameters, keep this rank's 1/N        __init__, _flatten
+    0. wrap          flatten each unit's parameters, keep this rank's 1/N        __init__
     1. forward       pre-forward: all-gather; run; post-forward: free or keep    forward, _pre_forward,
                                                                                  _post_forward
     2. backward      pre-backward: all-gather again; autograd computes the       _pre_backward_hook,
@@ -38,7 +38,7 @@ Calls go one way: this class decides *when* (hooks, order, ``TrainingState``); i
 split: these methods mirror the functions of ``torch/distributed/fsdp/_runtime_utils.py`` they name.
 
 Note (root): the outermost unit, whose forward runs first (torch's ``_lazy_init`` finds it); its
-``RootStep`` keeps every unit below it, their execution order, whether the final callback is queued.
+``RootState`` keeps every unit below it, their execution order, whether the final callback is queued.
 The lines ``for ext in self._extensions`` are where torch's wider API joins (``extension.py``; none by default).
 """
 
@@ -46,6 +46,7 @@ import contextlib
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,8 @@ class TrainingState(Enum):  # where a unit is in its step (core/state.py draws t
     SUMMON_FULL_PARAMS = auto()  # inside summon_full_params: full parameters, outside autograd
 
 @dataclass
-class RootStep:
-    """What only the root keeps: every unit below it, the order they ran in, this step's bookkeeping."""
+class RootState:
+    """What only the root keeps from its first forward on: every unit below it, the order they ran in, the limiter."""
     units: list  # every unit under the root, the root first
     order: ExecutionOrder = field(default_factory=ExecutionOrder)
     final_callback_queued: bool = False  # at most one final callback per backward
@@ -120,33 +121,27 @@ class FullyShardedDataParallel(Unit):
             kwargs = dict(process_group=process_group, sharding_strategy=plan.strategy, collectives=collectives,
                           backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
                           forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
-            recursive_wrap(module, auto_wrap_policy, lambda m: type(self)(m, **kwargs), only_wrap_children=True)
+            recursive_wrap(module, auto_wrap_policy, partial(type(self), **kwargs), only_wrap_children=True)
         self._fsdp_wrapped_module = module
-        self._handle = self._flatten(module)
-        # set at the first forward (_lazy_init): the root unit; on the root only, its RootStep; False inside no_sync()
-        self._root, self._root_step, self._sync_gradients = None, None, True
+        # The unit's own parameters (none that a nested unit took) in one flat parameter; no handle if none.
+        # After this, ``module.parameters()`` yields one 1-D shard where it yielded the originals.
+        taken = flattened_params(module)
+        params = [p for p in module.parameters() if id(p) not in taken]
+        layout = build_layout(module, params, self.groups.shard_size if plan.shards_params else 1) if params else None
+        for ext in self._extensions:  # torch's keywords may keep some out, or lay them out anew
+            layout = ext.on_wrap(self, layout)
+        self._handle = None if layout is None else FlatParamHandle(module, layout, self.groups, plan, self.comm,
+                                                                   mixed_precision)
+        # set at the first forward (_lazy_init): the root unit; on the root only, its RootState; False inside no_sync()
+        self._root, self._root_state, self._sync_gradients = None, None, True
         if self._handle is not None:
+            self._handle.take_over_params()
             # wrapped: the parameters are sharded, as after every reshard
             for ext in self._extensions:
                 ext.after_reshard(self)
             unit = weakref.ref(self)  # the hook lives in C++, unseen by Python's GC: it must not hold the unit
             self._handle.post_backward_hook = lambda *_: unit()._post_backward_hook()
             self._handle.register_post_backward_hook()  # once its gradient leaf requires grad (handle.py)
-
-    def _flatten(self, module: nn.Module) -> FlatParamHandle | None:
-        """The unit's own parameters (none that a nested unit took) in one flat parameter; None if none.
-        After this, ``module.parameters()`` yields one 1-D shard where it yielded the originals."""
-        taken = flattened_params(module)
-        params = [p for p in module.parameters() if id(p) not in taken]
-        layout = build_layout(module, params, self.groups.shard_size if self.plan.shards_params else 1) \
-            if params else None
-        for ext in self._extensions:  # torch's keywords may keep some out, or lay them out anew
-            layout = ext.on_wrap(self, layout)
-        if layout is None:
-            return None
-        handle = FlatParamHandle(module, layout, self.groups, self.plan, self.comm, self.mixed_precision)
-        handle.take_over_params()
-        return handle
 
     # ================================================================== 1. forward
     # torch: FullyShardedDataParallel.forward: _root_pre_forward, _pre_forward, the module, _post_forward.
@@ -169,11 +164,11 @@ class FullyShardedDataParallel(Unit):
 
     def _lazy_init(self) -> None:
         """torch's ``_lazy_init``: the first forward makes this unit the root of every unit below it."""
-        self._root_step = step = RootStep(units(self))
+        self._root_state = root_state = RootState(units(self))
         # MixedPrecision.buffer_dtype, once (torch casts them before it checks the units, too)
-        step.buffer_dtypes = cast_buffers(step.units)
+        root_state.buffer_dtypes = cast_buffers(root_state.units)
         names = {id(m): clean_name(n) or "root" for n, m in self.named_modules()}
-        for unit in step.units:
+        for unit in root_state.units:
             if unit._handle is not None:
                 unit._handle.name = names[id(unit)]  # its module path, for messages and timelines
             if unit is not self and unit.is_root:
@@ -203,8 +198,8 @@ class FullyShardedDataParallel(Unit):
         if h is not None:  # a unit that has started to require grad since wrapping
             h.register_post_backward_hook()
         self.training_state = TrainingState.FORWARD
-        step = self._root._root_step
-        step.order.record_pre_forward(self)
+        root_state = self._root._root_state
+        root_state.order.record_pre_forward(self)
         if h is not None:
             prefetched = h.views_prefetched or h.state is HandleState.GATHERING  # prefetch.py, Note (views)
             h.views_prefetched = False
@@ -214,16 +209,16 @@ class FullyShardedDataParallel(Unit):
                 for ext in self._extensions:
                     ext.after_unshard(self)
             if self._root.forward_prefetch:
-                self._prefetch(step.order.next_in_forward, in_backward=False)
+                self._prefetch(root_state.order.next_in_forward, in_backward=False)
         return args, kwargs
 
     def _post_forward(self, again: bool) -> None:
         """torch's ``_post_forward`` (``_post_forward_reshard`` decides alike): free the parameters if the plan
         says so (never the root's: its backward comes at once, so freeing them would only gather them again)."""
         if self._handle is not None:
-            self._reshard(free=not self.is_root and self.plan.frees_after_forward)
+            self._end_use(free=not self.is_root and self.plan.frees_after_forward)
             # the backward runs in the reverse order
-            self._root._root_step.order.record_post_forward(self)
+            self._root._root_state.order.record_post_forward(self)
         self.training_state = TrainingState.AWAITING_BACKWARD if again else TrainingState.IDLE
 
     def _register_pre_backward_hooks(self, out) -> None:
@@ -234,7 +229,7 @@ class FullyShardedDataParallel(Unit):
         ``tree_flatten``: no hook); torch returns the nest it rebuilt (a dict subclass as a dict), ours the output."""
         if torch.is_grad_enabled():
             if self.is_root:  # (torch: a backward that died before its callback ran leaves no flag set)
-                self._root_step.final_callback_queued = False
+                self._root_state.final_callback_queued = False
             hooked = []  # flags, never the tensors: torch's walk is a closure that calls itself, a cycle only the
             # garbage collector frees, so a list of outputs it filled would outlive the backward (2 KB in the MLP)
             _apply_to_tensors(lambda t: (t.requires_grad and hooked.append(t.register_hook(self._pre_backward_hook)
@@ -252,9 +247,9 @@ class FullyShardedDataParallel(Unit):
         backward is done, and this is our first hook to fire in it (normally the root's, nearest the loss).  torch
         queues it from the root's only: a backward that misses the root's outputs (a loss on an inner output kept
         aside) ends there with units mid-backward, sharded gradients outside ``.grad`` (``test_fsdp_outputs.py``)."""
-        root, step = self._root, self._root._root_step
-        if not step.final_callback_queued:  # the first pre-backward of this backward (normally the root's)
-            step.final_callback_queued = True
+        root, root_state = self._root, self._root._root_state
+        if not root_state.final_callback_queued:  # the first pre-backward of this backward (normally the root's)
+            root_state.final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._post_backward_final_callback)
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             # another of its outputs already brought it here
@@ -265,7 +260,7 @@ class FullyShardedDataParallel(Unit):
             # the forward's views see the numbers again: the same storage (handle.py, Note)
             self._unshard()
             if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                self._prefetch(step.order.next_in_backward, in_backward=True)
+                self._prefetch(root_state.order.next_in_backward, in_backward=True)
             for ext in self._extensions:
                 ext.after_unshard(self)
             h.gradient.prepare()
@@ -273,7 +268,7 @@ class FullyShardedDataParallel(Unit):
     def _post_backward_hook(self) -> None:
         """torch's ``_post_backward_hook``: autograd has summed this unit's full gradient (a hook on its leaf);
         free the parameters, then reduce the gradient so each rank keeps the sum of its 1/N."""
-        h, step = self._handle, self._root._root_step
+        h, root_state = self._handle, self._root._root_state
         self.training_state = TrainingState.POST_BACKWARD
         # torch's order: free the parameters, then the BACKWARD_POST prefetch, then reduce, so the next
         # unit's all-gather is issued first.  Freeing them leaves the full gradient (its own tensor) in place.
@@ -287,7 +282,7 @@ class FullyShardedDataParallel(Unit):
         # to complete), so its full gradient is freed now, not at the end of the backward.  torch on a GPU
         # instead queues every reduction on one _post_backward_stream, which runs them in order, and makes the
         # compute stream wait for that stream once, in _post_backward_final_callback.
-        for unit in [u for u in step.units if u is not self and u._handle is not None] + [self]:
+        for unit in [u for u in root_state.units if u is not self and u._handle is not None] + [self]:
             unit._finish_reduction()
         h.gradient.start_reduce()
         if h.gradient.reduces_in_hook:
@@ -296,9 +291,9 @@ class FullyShardedDataParallel(Unit):
     def _post_backward_reshard(self) -> None:
         """torch's ``_post_backward_reshard``: free the parameters (as the plan says), then the BACKWARD_POST
         prefetch of the unit the backward needs next."""
-        self._reshard(free=self._should_free_in_backward())
+        self._end_use(free=self._should_free_in_backward())
         if self._root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            self._prefetch(self._root._root_step.order.next_in_backward, in_backward=True)
+            self._prefetch(self._root._root_state.order.next_in_backward, in_backward=True)
 
     def _should_free_in_backward(self) -> bool:
         """torch's ``_should_free_in_backward``: a plan that frees after the backward does, except that under
@@ -317,16 +312,16 @@ class FullyShardedDataParallel(Unit):
         pre-backward gathered them but whose parameters got none (its output reached the loss by a path that skips
         them) would stay gathered into the next step.  One the backward never reached stays as its forward left
         it, as torch's (SHARD_GRAD_OP's kept: the next forward gathers nothing; ``test_fsdp_regimes_torch.py``)."""
-        for unit in self._root_step.units:
+        for unit in self._root_state.units:
             if unit._handle is not None:
                 unit._finish_reduction()
                 if unit.training_state is TrainingState.PRE_BACKWARD:  # gathered by this backward, never freed
-                    unit._reshard(free=unit._should_free_in_backward())
+                    unit._end_use(free=unit._should_free_in_backward())
             unit.training_state = TrainingState.IDLE
             for ext in unit._extensions:
                 ext.after_backward(unit)
-        self._root_step.final_callback_queued = False
-        self._root_step.order.end_iteration()
+        self._root_state.final_callback_queued = False
+        self._root_state.order.end_iteration()
 
     # ================================================================== 4. the optimizer step
     # Nothing to do: ``model.parameters()`` yields each unit's ``flat_param``, this rank's shard, and
@@ -346,15 +341,15 @@ class FullyShardedDataParallel(Unit):
         for ext in self._extensions:
             ext.before_unshard(self, prefetch)
         # limit_all_gathers (prefetch.py, Note (the limit)); the queue stays empty without it
-        self._root._root_step.free_events.wait_before_all_gather()
+        self._root._root_state.free_events.wait_before_all_gather()
         self._handle.start_unshard()
 
-    def _reshard(self, free: bool) -> None:
-        """torch's ``_reshard``: free the full parameters or keep them; a free is queued for limit_all_gathers."""
+    def _end_use(self, free: bool) -> None:
+        """torch's ``_reshard``: a use ends; free the full parameters (``free``) or keep them for the next one."""
         frees = free and self._root.limit_all_gathers and self._handle.state is not HandleState.SHARDED
-        self._handle.reshard(free=free)
+        self._handle.end_use(free)
         if frees:  # (after the free, as torch's _reshard records its event)
-            self._root._root_step.free_events.record_free(self._handle.flat_param.device)
+            self._root._root_state.free_events.record_free(self._handle.flat_param.device)
         for ext in self._extensions:
             ext.after_reshard(self)
 

@@ -55,10 +55,10 @@ class GradState(Enum):  # where the unit's gradient is (core/state.py draws the 
     UNSHARDED = auto()  # whole, summed over no_sync backwards, shown as flat_param.grad
     REDUCING = auto()  # a reduce-scatter (NO_SHARD: all-reduce) of the whole gradient is in flight
 
-def prepare_for_reduce_scatter(grad: torch.Tensor, padded_numel: int, reduce_dtype: torch.dtype,
-                               predivide: float) -> torch.Tensor:
-    """Each rank's reduce-scatter input, in torch FSDP1's order: cast, pad to ``padded_numel``, divide by
-    ``f`` (in place on ``grad`` itself when no cast and no padding made a copy)."""
+def reduction_input(grad: torch.Tensor, padded_numel: int, reduce_dtype: torch.dtype,
+                    predivide: float) -> torch.Tensor:
+    """Each rank's reduce-scatter (NO_SHARD: all-reduce) input, in torch FSDP1's order: cast, pad to
+    ``padded_numel``, divide by ``f`` (in place on ``grad`` itself when no cast and no padding made a copy)."""
     if grad.dtype != reduce_dtype:
         # a copy, in the dtype the sum is taken in
         grad = grad.to(reduce_dtype)
@@ -172,8 +172,8 @@ class UnitGradient:
                 # a no_sync gradient shown there is `grad` now
                 h.flat_param.grad = None
         # NO_SHARD all-reduces flat_param.grad in place, unless cast to reduce_dtype: nothing to pad
-        sent = prepare_for_reduce_scatter(grad, h.layout.padded_numel if scattered else grad.numel(),
-                                          h.dtypes.reduce, self.predivide)
+        sent = reduction_input(grad, h.layout.padded_numel if scattered else grad.numel(),
+                               h.dtypes.reduce, self.predivide)
         if scattered:
             out = torch.empty(h.flat_param.numel(), dtype=sent.dtype, device=grad.device)  # this rank's 1/N
             self.in_flight = Reduction(h.comm.reduce_scatter(out, sent, group=h.groups.shard, async_op=True), out, sent)

@@ -13,7 +13,7 @@ One unit's tensors, rank r of N, a sharded plan.  Three names, three tensors:
     start_unshard   storage resized to padded_numel elements; the all-gather issued      GATHERING
     wait_unshard    the all-gather done: every rank's shard is in ``padded``              UNSHARDED
                     (the forward or backward computes with views of ``unsharded``)
-    reshard         storage resized to 0 bytes: the tensor objects and their views stay,  SHARDED
+    end_use         storage resized to 0 bytes: the tensor objects and their views stay,  SHARDED
                     their memory goes (until the next start_unshard)
 
 torch's ``FlatParamHandle.unshard`` is ``_alloc_padded_unsharded_flat_param``, ``_all_gather_flat_param``
@@ -90,6 +90,7 @@ class FlatParamHandle:
         self.casts_unsharded = self.dtypes.casts_params and not self.sharded  # NO_SHARD: cast, no gather
         self.calls_alone = self.dtypes.casts_params  # each call's views through a _OneCall (fixed at wrap time)
         self.frees = self.sharded or self.casts_unsharded  # the compute buffer is freed between uses
+        self.gradient = UnitGradient(self)  # (it reads the plan and mixed_precision only)
         full = flatten(layout)
         requires_grad = any(s.requires_grad for s in layout.slots)
         self.flat_param = nn.Parameter(shard(full, self.rank, layout.world_size), requires_grad=requires_grad)
@@ -105,7 +106,6 @@ class FlatParamHandle:
         self.gathering = self.gathered_from = None
         self.views_prefetched = False  # a forward prefetch made the views: the unit's own pre-forward keeps them
         self.name = "unit"  # its module path, set by the root (for messages and traces)
-        self.gradient = UnitGradient(self)
         # what autograd calls once the full gradient is summed (the step's post-backward hook); its registration
         self.post_backward_hook = self.post_backward_registered = None
 
@@ -132,7 +132,7 @@ class FlatParamHandle:
     def start_unshard(self) -> None:
         """Issue the all-gather (async); with mixed precision, of the shard cast to the compute dtype."""
         if self.stale():
-            self.reshard()  # kept since its gather, but an optimizer step changed the shard since
+            self.end_use(free=True)  # kept since its gather, but an optimizer step changed the shard since
         if self.state is not HandleState.SHARDED:
             return
         self.gathered_from = self.shard_version()
@@ -155,9 +155,9 @@ class FlatParamHandle:
             self.gathering = None
             self.state = HandleState.UNSHARDED
 
-    def reshard(self, free: bool = True) -> None:
-        """Free the full buffer if ``free``; NO_SHARD's low-precision compute copy is freed every time
-        (torch's ``FlatParamHandle.reshard(free_unsharded_flat_param)`` and ``post_reshard``)."""
+    def end_use(self, free: bool) -> None:
+        """A forward or backward is done with the full buffer: free it (``free``) or keep it for the next use;
+        NO_SHARD's low-precision copy is freed either way (torch's ``reshard(free_unsharded_flat_param)``)."""
         self.wait_unshard()  # never free a buffer an all-gather is still writing
         self.views_prefetched = False  # (torch's _reshard: _prefetched = False, freed or not)
         if self.frees and self.state is HandleState.UNSHARDED and (free or self.casts_unsharded):

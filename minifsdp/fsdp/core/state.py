@@ -16,7 +16,7 @@ A unit's step (``FullyShardedDataParallel.training_state``):
 
 Its parameters (``FlatParamHandle.state``, ``handle.py``):
 
-    SHARDED --start_unshard--> GATHERING --wait_unshard--> UNSHARDED --reshard--> SHARDED
+    SHARDED --start_unshard--> GATHERING --wait_unshard--> UNSHARDED --end_use(free=True)--> SHARDED
     (a plan that keeps them, or the root after its forward: UNSHARDED until the backward's reshard)
 
 Its gradient (``UnitGradient.state``, ``gradient.py``):
