@@ -25,6 +25,26 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 </testsuite></testsuites>"""
 
 
+def test_the_command_runs_the_whole_port_not_only_the_default_tier(monkeypatch):
+    """The default collection keeps only the FSDP1 port's fast cases: the command asks for every case."""
+    import subprocess
+
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        xml = next(a.split("=", 1)[1] for a in cmd if a.startswith("--junitxml="))
+        Path(xml).write_text(JUNIT)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(T.subprocess, "run", fake_run)
+    T.run(json_path=None, suite="fsdp1")
+    T.run(json_path=None, suite="fsdp1", fast=True)
+    assert len(seen) == 2
+    assert "--extended" in seen[0] and "fast" not in seen[0]
+    assert seen[1][seen[1].index("-m") + 1] == "fast"
+
+
 def test_table_from_a_tiny_report():
     records = T.parse_junit(JUNIT)
     assert [(r["group"], r["case"], r["outcome"]) for r in records] == [

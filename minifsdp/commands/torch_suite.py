@@ -125,7 +125,8 @@ def run(group: str | None = None, fast: bool = False, json_path: str | None = "o
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "junit.xml")
         cmd = [sys.executable, "-m", "pytest", target, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               "-o", "junit_family=xunit2", "--tb=no"] + (["-m", "fast"] if fast else []) + extra
+               "-o", "junit_family=xunit2", "--tb=no", "--extended"] + (["-m", "fast"] if fast else []) + extra
+        # (--extended: the default collection keeps only the FSDP1 port's fast cases, tests/_tiers.py)
         env = dict(os.environ)
         env["MINIFSDP_TORCH_SUITE_FSDP2"] = "fast" if fast else "all"  # the FSDP2 port's whole matrix
         proc = subprocess.run(cmd, cwd=SUITE.parents[1], env=env, capture_output=True, text=True)
