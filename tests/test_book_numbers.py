@@ -671,3 +671,50 @@ def test_the_figure_check_catches_a_figure_from_nowhere_and_one_its_paragraph_do
     assert uncited_figures(chapter, text + "\nSee chapter 4.4 and task 2.1a.\n", nbs) == []
     worked = text + "\n1. **At scale.** A 7B model holds 112 GB at 16 bytes per parameter.\n"
     assert uncited_figures(chapter, worked, nbs) == []
+
+
+def campaign_claims(chapter_text: str, campaign_md: str, merged: dict) -> list[str]:
+    """What chapter 6's campaign paragraph and the campaign file say that the merged record does not."""
+    wrong = []
+    name = merged["impl"].upper()
+    first, last = merged["seeds"][0][0], merged["seeds"][-1][1]
+    explained, unexplained = len(merged["explained"]), len(merged["unexplained"])
+    said = f"{merged['programs']:,} {name} programs (seeds {first}-{last}"
+    if said not in chapter_text:
+        wrong.append(f"chapter 6 does not say {said!r}")
+    elif merged["equal"] == merged["programs"]:
+        if f"all {merged['programs']:,} equal" not in chapter_text:
+            wrong.append(f"chapter 6 does not say all {merged['programs']:,} {name} programs are equal")
+    else:
+        for words in (f"{merged['equal']:,} equal to torch's bit for bit",
+                      f"{explained:,} that differ only where", f"{unexplained:,} unexplained when"):
+            if words not in chapter_text:
+                wrong.append(f"chapter 6 does not say {words!r} of {name}")
+    row = (f"| {merged['impl']} | {first}-{last} | {merged['programs']} | {merged['equal']} | {explained} | "
+           f"{unexplained} | {merged['ran_every_step_on_both']} |")
+    if row not in campaign_md:
+        wrong.append(f"fuzz_campaign.md has no merged row {row!r}")
+    return wrong
+
+
+def _merged_records() -> list[dict]:
+    out = []
+    for path in sorted((ROOT / "chapters" / "results" / "fuzz").glob("*-*.json")):
+        merged = json.loads(path.read_text())
+        merged["seeds"] = [tuple(s) for s in merged["seeds"]] if isinstance(merged["seeds"][0], list) \
+            else [tuple(merged["seeds"])]
+        out.append(merged)
+    return out
+
+
+def test_the_campaign_numbers_in_chapter_6_are_the_merged_records():
+    """A number in the book is the record's: chapter 6 and fuzz_campaign.md against the merged campaign files."""
+    chapter = next((ROOT / "chapters").glob("06_*.md")).read_text()
+    campaign_md = (ROOT / "chapters" / "results" / "fuzz_campaign.md").read_text()
+    merged = _merged_records()
+    assert sorted(m["impl"] for m in merged) == ["fsdp1", "fsdp2"]
+    for m in merged:
+        assert campaign_claims(chapter, campaign_md, m) == [], m["impl"]
+    # and the check can fail: one number changed in the record
+    changed = dict(merged[0], equal=merged[0]["equal"] - 1)
+    assert campaign_claims(chapter, campaign_md, changed)
