@@ -343,8 +343,16 @@ def show_full_grads(h) -> tuple | None:
     if not h.sharded:
         return None
     before = [s.param.grad for s in h.layout.slots]
+    pieces = local_pieces(h)
+    kept = [s.fqn for s, (lo, hi), g in zip(h.layout.slots, pieces, before, strict=True)
+            if g is not None and g.numel() != max(hi - lo, 0)]
+    if kept:  # (AssertionError: the type torch raises here, `_p_assert` "Expects tensor to be sharded")
+        raise AssertionError(
+            f"summon_full_params(with_grads=True) found whole gradients ({', '.join(kept[:3])}): a backward under "
+            "no_sync() keeps each gradient whole until a synced backward reduces it, and with_grads gathers "
+            "shards. Run the last micro-batch's backward outside no_sync() first, or read p.grad without with_grads.")
     local = torch.zeros(h.layout.shard_numel, dtype=h.flat_param.dtype, device=h.flat_param.device)
-    for (lo, hi), g in zip(local_pieces(h), before, strict=True):
+    for (lo, hi), g in zip(pieces, before, strict=True):
         if g is not None and hi > lo:
             local[lo:hi] = g.reshape(-1)
     # how many ranks have none (torch's int32 count, compared with the group's size)
