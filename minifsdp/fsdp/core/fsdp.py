@@ -310,12 +310,15 @@ class FullyShardedDataParallel(Unit):
 
         Why a catch-all reshard?  A unit's post-backward hook runs only if its parameters got a gradient; one whose
         pre-backward gathered them but whose parameters got none (its output reached the loss by a path that skips
-        them) would stay gathered into the next step.  One the backward never reached stays as its forward left
-        it, as torch's (SHARD_GRAD_OP's kept: the next forward gathers nothing; ``test_fsdp_regimes_torch.py``)."""
+        them) would stay gathered into the next step, and so would one a backward prefetch gathered for a backward
+        that never reached it.  Otherwise one the backward never reached stays as its forward left it, as torch's (SHARD_GRAD_OP's kept: the next forward gathers nothing; ``test_fsdp_regimes_torch.py``)."""
         for unit in self._root_state.units:
             if unit._handle is not None:
                 unit._finish_reduction()
-                if unit.training_state is TrainingState.PRE_BACKWARD:  # gathered by this backward, never freed
+                prefetched = unit.training_state is TrainingState.AWAITING_BACKWARD and unit.plan.frees_after_forward \
+                    and unit._handle.state is not HandleState.SHARDED  # a backward prefetch it never used
+                if unit.training_state is TrainingState.PRE_BACKWARD or prefetched:  # gathered, never freed
+                    unit._handle.wait_unshard()
                     unit._end_use(free=unit._should_free_in_backward())
             unit.training_state = TrainingState.IDLE
             for ext in unit._extensions:
