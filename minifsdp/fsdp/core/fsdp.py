@@ -310,8 +310,9 @@ class FullyShardedDataParallel(Unit):
 
         Why a catch-all reshard?  A unit's post-backward hook runs only if its parameters got a gradient; one whose
         pre-backward gathered them but whose parameters got none (its output reached the loss by a path that skips
-        them) would stay gathered into the next step, and so would one a backward prefetch gathered for a backward
-        that never reached it.  Otherwise one the backward never reached stays as its forward left it, as torch's (SHARD_GRAD_OP's kept: the next forward gathers nothing; ``test_fsdp_regimes_torch.py``)."""
+        them) would stay gathered into the next step, as would one a backward prefetch gathered for a backward that
+        never came.  Else one the backward never reached stays as its forward left it, as torch's (SHARD_GRAD_OP's
+        kept: the next forward gathers nothing; ``test_fsdp_regimes_torch.py``)."""
         for unit in self._root_state.units:
             if unit._handle is not None:
                 unit._finish_reduction()
