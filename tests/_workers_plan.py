@@ -89,6 +89,12 @@ def _measure(model_name: str, strategy: str, optimizer: str, precision: str, gro
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, foreach=True)
+    return measured_step(model_name, model, opt, before)
+
+
+def measured_step(model_name: str, model: nn.Module, opt, before: int) -> dict:
+    """A warm-up step, a step whose bytes sent are counted, then a step under the memory tracker: this rank's
+    numbers (``before``: the live bytes before the model was built)."""
     _loss(model_name, model, 0).backward()  # warm-up: lazy init, the optimizer's state
     opt.step()
     opt.zero_grad()

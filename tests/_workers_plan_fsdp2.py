@@ -16,12 +16,10 @@ import torch
 import torch.nn as nn
 
 from minifsdp.comm.collectives import torch_lets_go
-from minifsdp.comm.counting import count_bytes
 from minifsdp.fsdp2 import fully_shard
-from minifsdp.memory import MemoryTracker, snapshot
 from minifsdp.memory.census import live_tensor_bytes
 from minifsdp.models import MLP, Block, GPTConfig, TinyGPT
-from tests._workers_plan import MLP_DIMS, _loss
+from tests._workers_plan import MLP_DIMS, measured_step
 
 SETUPS = [("tiny", "ours"), ("mlp-odd", "ours"), ("tiny", "torch"), ("mlp-odd", "torch")]
 
@@ -45,27 +43,7 @@ def _measure(model_name: str, impl: str) -> dict:
     before = live_tensor_bytes()
     model = _build(model_name, impl)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    _loss(model_name, model, 0).backward()  # warm-up: lazy init, the optimizer's state
-    opt.step()
-    opt.zero_grad()
-    with count_bytes() as sent:
-        _loss(model_name, model, 1).backward()
-        opt.step()
-    state = snapshot(model, opt)
-    with MemoryTracker(model, opt) as mt:  # it starts from a census
-        mt.mark("at rest")
-        opt.zero_grad()
-        mt.mark("forward")
-        loss = _loss(model_name, model, 2)
-        mt.mark("backward")
-        loss.backward()
-        mt.mark("optimizer step")
-        opt.step()
-    del loss
-    return {"peak": mt.peak_bytes - before, "peak_phase": mt.peak_phase, "sent": sent.sent,
-            "parameters": state["parameters"], "gradients": state["gradients"],
-            "optimizer_state": state["optimizer_state"], "buffers": state["buffers"],
-            "census": mt.breakdown_at("at rest")["total"] - before}
+    return measured_step(model_name, model, opt, before)
 
 
 def measure_fsdp2_setups() -> dict:
